@@ -71,14 +71,16 @@ def _check_stop(seq: Sequence, token: int, rules: StopRules) -> None:
         finish(seq, "stop", stop)
     elif len(seq.output_token_ids) >= params.max_tokens or seq.num_tokens >= rules.max_model_len:
         finish(seq, "length")
+    if seq.is_finished and rules.tokenizer is not None and not isinstance(seq.stop_reason, str):
+        _detokenize(seq, rules.tokenizer, final=True)
 
 
-def _detokenize(seq: Sequence, tokenizer: Any) -> None:
+def _detokenize(seq: Sequence, tokenizer: Any, final: bool = False) -> None:
     ids, skip = seq.token_ids, seq.params.skip_special_tokens
     prefix = tokenizer.decode(ids[seq.prefix_offset : seq.read_offset], skip_special_tokens=skip)
     full = tokenizer.decode(ids[seq.prefix_offset :], skip_special_tokens=skip)
-    # A trailing U+FFFD is an incomplete UTF-8 sequence: wait for the next token.
-    if len(full) > len(prefix) and not full.endswith("\ufffd"):
+    # A trailing U+FFFD may be an incomplete UTF-8 sequence: wait for the next token, unless none will come.
+    if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
         seq.text += full[len(prefix) :]
         seq.prefix_offset, seq.read_offset = seq.read_offset, len(ids)
 

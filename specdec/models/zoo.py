@@ -164,8 +164,11 @@ def convert_gguf(gguf_file: Path, target: Path) -> Path:
     tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=target.name + ".tmp"))
     try:
         src_dir, name = str(gguf_file.parent), gguf_file.name
-        tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(src_dir, gguf_file=name)
+            model = AutoModelForCausalLM.from_pretrained(src_dir, gguf_file=name, dtype=torch.float32)
+        except Exception as error:  # the gguf/transformers stack raises many kinds for a bad file
+            raise ModelNotAvailableError(f"cannot read {gguf_file} as a GGUF model: {error}") from error
         # A GGUF-loaded model refuses save_pretrained while it still carries its quantizer.
         model.hf_quantizer = None
         if hasattr(model.config, "quantization_config"):

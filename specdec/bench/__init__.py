@@ -1,0 +1,21 @@
+"""Benchmarks, shipped with the package so `specdec bench NAME` works from an install.
+
+The engine never imports this package; each engine under test runs in its own subprocess.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+
+def _benchmarks() -> dict[str, Callable[[Sequence[str]], int]]:
+    from specdec.bench import plain_decode
+
+    return {"plain_decode": plain_decode.main}
+
+
+def run_benchmark(name: str, argv: Sequence[str]) -> int:
+    benchmarks = _benchmarks()
+    if name not in benchmarks:
+        raise ValueError(f"unknown benchmark {name!r}; available: {', '.join(benchmarks)}")
+    return benchmarks[name](argv)

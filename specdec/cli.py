@@ -1,0 +1,136 @@
+"""`specdec generate | models | bench`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+
+from specdec.models import zoo
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    try:
+        return args.run(args)
+    except ValueError as error:  # user errors: unknown model, bad params, prompt too long, ...
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Speculative-decoding inference engine.")
+    commands = parser.add_subparsers()
+
+    gen = commands.add_parser("generate", help="generate a completion, streamed to the terminal")
+    gen.add_argument("prompt")
+    gen.add_argument("--model", default=zoo.DEFAULT_MODEL, help="embedded name, HF directory or .gguf file")
+    gen.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--min-p", type=float, default=0.0)
+    gen.add_argument("--max-tokens", type=int, default=256)
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--max-model-len", type=int, default=4096)
+    gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
+    gen.set_defaults(run=_generate)
+
+    models = commands.add_parser("models", help="embedded models")
+    models_commands = models.add_subparsers()
+    models_list = models_commands.add_parser("list", help="show embedded models and their state")
+    models_list.add_argument("--json", action="store_true")
+    models_list.set_defaults(run=_models_list)
+
+    bench = commands.add_parser("bench", help="benchmarks (see specdec/bench)")
+    bench.add_argument("name", help="benchmark name, e.g. plain_decode")
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER)
+    bench.set_defaults(run=_bench)
+    return parser
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from specdec import LLM, SamplingParams
+
+    params = SamplingParams(
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        max_tokens=args.max_tokens,
+        stop=tuple(args.stop),
+        seed=args.seed,
+    )
+    if not args.prompt:
+        raise ValueError("the prompt is empty")
+    if args.model in zoo.EMBEDDED_MODELS and not zoo.status(zoo.EMBEDDED_MODELS[args.model])["converted"]:
+        print(f"[specdec] first use of {args.model}: assembling and converting its weights (about 2 minutes)", file=sys.stderr)
+    start = time.perf_counter()
+    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    load_s = time.perf_counter() - start
+    prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
+    final = None
+    shown = 0
+    for output in llm.stream(prompt, params):
+        final = output
+        if not args.json:
+            text = output.outputs[0].text
+            sys.stdout.write(text[shown:])
+            sys.stdout.flush()
+            shown = len(text)
+    assert final is not None  # stream yields at least once for a valid request
+    completion = final.outputs[0]
+    if args.json:
+        print(json.dumps({
+            "model": args.model,
+            "prompt": args.prompt,
+            "text": completion.text,
+            "token_ids": completion.token_ids,
+            "finish_reason": completion.finish_reason,
+            "load_s": load_s,
+            "metrics": final.metrics.to_dict(),
+        }))
+    else:
+        print()  # end the streamed text's line
+        m = final.metrics
+        print(
+            f"[specdec] {m.num_output_tokens} tokens, {m.tokens_per_s:.2f} tok/s, TTFT {m.ttft_s:.2f} s, "
+            f"finish: {completion.finish_reason}",
+            file=sys.stderr,
+        )
+    return 0
+
+
+def _models_list(args: argparse.Namespace) -> int:
+    rows = [zoo.status(m) for m in zoo.EMBEDDED_MODELS.values()]
+    if args.json:
+        print(json.dumps(rows))
+        return 0
+    print(f"cache: {zoo.cache_dir()}")
+    for row in rows:
+        state = "converted" if row["converted"] else "assembled" if row["assembled"] else (
+            "packages installed" if row["packages_installed"] else "not installed"
+        )
+        default = " (default)" if row["name"] == zoo.DEFAULT_MODEL else ""
+        print(f"{row['name']:<22} {state:<20} {row['gguf_bytes'] / 1e9:5.2f} GB  {row['description']}{default}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from specdec.bench import run_benchmark
+
+    return run_benchmark(args.name, args.bench_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,115 @@
+"""The native decoder against transformers on the same weights, and its batch/mask contract."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from specdec.models.batch import ForwardBatch, SequenceInput
+from specdec.models.loader import load_decoder
+
+# float32 through a few layers: differences come only from summation order.
+ATOL = 2e-5
+
+
+def hf_logits(model_dir, ids: list[int]) -> torch.Tensor:
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(torch.tensor([ids])).logits[0]
+
+
+def run(decoder, cache, inputs, **kwargs):
+    batch = ForwardBatch.build(inputs, [cache.length(s.slot) for s in inputs], **kwargs)
+    return decoder.forward(batch, cache)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_llama", "tiny_mistral"])
+def test_logits_match_transformers_prefill_then_decode(fixture, request):
+    model_dir = request.getfixturevalue(fixture)
+    ids = torch.randint(0, 256, (24,), generator=torch.Generator().manual_seed(0)).tolist()
+    reference = hf_logits(model_dir, ids)
+    decoder = load_decoder(model_dir)
+    cache = decoder.new_kv_cache(num_slots=2, max_len=64)
+    slot = cache.allocate()
+    parts = [run(decoder, cache, [SequenceInput(slot, ids[:10])]).logits]
+    parts += [run(decoder, cache, [SequenceInput(slot, ids[10:13])]).logits]
+    for token in ids[13:]:
+        parts.append(run(decoder, cache, [SequenceInput(slot, [token])]).logits)
+    got = torch.cat(parts)
+    assert got.shape == reference.shape
+    torch.testing.assert_close(got, reference, atol=ATOL, rtol=0)
+    assert cache.length(slot) == len(ids)
+
+
+def test_uneven_batch_equals_separate_forwards(tiny_qwen):
+    decoder = load_decoder(tiny_qwen)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (7, 1, 12)]
+    batched_cache = decoder.new_kv_cache(3, 32)
+    slots = [batched_cache.allocate() for _ in prompts]
+    batched = run(decoder, batched_cache, [SequenceInput(s, p) for s, p in zip(slots, prompts)])
+    start = 0
+    for prompt in prompts:
+        cache = decoder.new_kv_cache(1, 32)
+        alone = run(decoder, cache, [SequenceInput(cache.allocate(), prompt)]).logits
+        torch.testing.assert_close(batched.logits[start : start + len(prompt)], alone, atol=ATOL, rtol=0)
+        start += len(prompt)
+
+
+def test_last_logits_only_and_hidden_layers(tiny_qwen):
+    decoder = load_decoder(tiny_qwen)
+    cache = decoder.new_kv_cache(2, 32)
+    a, b = cache.allocate(), cache.allocate()
+    out = run(decoder, cache, [SequenceInput(a, [1, 2, 3]), SequenceInput(b, [4, 5])], last_logits_only=True, hidden_layers=(0,))
+    assert out.logits.shape == (2, decoder.config.vocab_size)
+    assert out.hidden.shape == (5, decoder.config.hidden_size)
+    assert set(out.layer_hidden) == {0} and out.layer_hidden[0].shape == (5, decoder.config.hidden_size)
+    full_cache = decoder.new_kv_cache(1, 32)
+    full = run(decoder, full_cache, [SequenceInput(full_cache.allocate(), [1, 2, 3])])
+    torch.testing.assert_close(out.logits[0], full.logits[-1], atol=ATOL, rtol=0)
+
+
+def test_tree_mask_and_positions_give_each_branch_its_chain_logits(tiny_llama):
+    """A tree of new tokens in one forward: every node's logits equal those of its root→node chain."""
+    decoder = load_decoder(tiny_llama)
+    prefix = [10, 20, 30, 40]
+    # nodes: 0 = 'a' (child of prefix), 1 = 'b' (child of 0), 2 = 'c' (child of 0), 3 = 'd' (child of 2)
+    tokens, parents = [50, 60, 70, 80], [-1, 0, 0, 2]
+    depth = [0, 1, 1, 2]
+    cache = decoder.new_kv_cache(1, 32)
+    slot = cache.allocate()
+    run(decoder, cache, [SequenceInput(slot, prefix)])
+    mask = torch.zeros(4, len(prefix) + 4, dtype=torch.bool)
+    mask[:, : len(prefix)] = True
+    for node in range(4):
+        ancestor = node
+        while ancestor >= 0:
+            mask[node, len(prefix) + ancestor] = True
+            ancestor = parents[ancestor]
+    positions = [len(prefix) + d for d in depth]
+    tree = run(decoder, cache, [SequenceInput(slot, tokens, positions=positions, mask=mask)]).logits
+    for node, chain in [(0, [50]), (1, [50, 60]), (2, [50, 70]), (3, [50, 70, 80])]:
+        reference = hf_logits(tiny_llama, prefix + chain)[-1]
+        torch.testing.assert_close(tree[node], reference, atol=ATOL, rtol=0)
+
+
+def test_forward_past_the_slot_is_refused_without_writing(tiny_qwen):
+    decoder = load_decoder(tiny_qwen)
+    cache = decoder.new_kv_cache(1, 8)
+    slot = cache.allocate()
+    run(decoder, cache, [SequenceInput(slot, [1, 2, 3, 4, 5])])
+    before = cache.keys.clone()
+    with pytest.raises(ValueError, match="max_model_len"):
+        run(decoder, cache, [SequenceInput(slot, [1, 2, 3, 4])])
+    assert cache.length(slot) == 5
+    assert torch.equal(cache.keys[:, :, :, :5], before[:, :, :, :5])
+
+
+def test_batch_build_rejects_bad_shapes():
+    with pytest.raises(ValueError, match="no new tokens"):
+        ForwardBatch.build([SequenceInput(0, [])], [0])
+    with pytest.raises(ValueError, match="mask must be"):
+        ForwardBatch.build([SequenceInput(0, [1, 2], mask=torch.ones(2, 2, dtype=torch.bool))], [3])
+    with pytest.raises(ValueError, match="positions"):
+        ForwardBatch.build([SequenceInput(0, [1, 2], positions=[0])], [0])
