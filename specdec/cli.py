@@ -43,6 +43,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--method", default="none", help="speculation method: none (default) or draft_model")
+    gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL})")
+    gen.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, tokens drafted per step")
     gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
     gen.set_defaults(run=_generate)
 
@@ -76,7 +79,10 @@ def _generate(args: argparse.Namespace) -> int:
     if args.model in zoo.EMBEDDED_MODELS and not zoo.status(zoo.EMBEDDED_MODELS[args.model])["converted"]:
         print(f"[specdec] first use of {args.model}: assembling and converting its weights (about 2 minutes)", file=sys.stderr)
     start = time.perf_counter()
-    llm = LLM(args.model, dtype=args.dtype, max_model_len=args.max_model_len)
+    speculative_config = None
+    if args.method != "none":
+        speculative_config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens, "model": args.draft}
+    llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
     load_s = time.perf_counter() - start
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     final = None
@@ -103,8 +109,13 @@ def _generate(args: argparse.Namespace) -> int:
     else:
         print()  # end the streamed text's line
         m = final.metrics
+        spec = ""
+        if m.speculative_decoding and m.speculative_decoding["num_spec_steps"]:
+            sd = m.speculative_decoding
+            spec = (f", acceptance {sd['draft_acceptance_rate']:.2f}, mean accepted length "
+                    f"{sd['mean_acceptance_length']:.2f}, α {sd['alpha']:.2f}")
         print(
-            f"[specdec] {m.num_output_tokens} tokens, {m.tokens_per_s:.2f} tok/s, TTFT {m.ttft_s:.2f} s, "
+            f"[specdec] {m.num_output_tokens} tokens, {m.tokens_per_s:.2f} tok/s, TTFT {m.ttft_s:.2f} s{spec}, "
             f"finish: {completion.finish_reason}",
             file=sys.stderr,
         )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 
@@ -78,3 +79,34 @@ class EngineConfig:
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         _check(isinstance(self.max_prefill_chunk, int) and self.max_prefill_chunk >= 1, f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk!r}")
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`: which proposer, its model, and γ = num_speculative_tokens."""
+
+    method: str
+    num_speculative_tokens: int
+    model: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
+        _check(
+            isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
+            and 1 <= self.num_speculative_tokens <= 64,
+            f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
+        )
+
+    @classmethod
+    def from_value(cls, value: "SpeculativeConfig | Mapping | None") -> "SpeculativeConfig | None":
+        """Accept a SpeculativeConfig, a vLLM-style dict, or None (plain decoding)."""
+        if value is None or isinstance(value, SpeculativeConfig):
+            return value
+        if not isinstance(value, Mapping):
+            raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
+        known = {"method", "num_speculative_tokens", "model"}
+        unknown = sorted(set(value) - known)
+        _check(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
+        _check("method" in value, "speculative_config needs a 'method', e.g. 'draft_model'")
+        _check("num_speculative_tokens" in value, "speculative_config needs 'num_speculative_tokens'")
+        return cls(**dict(value))

@@ -10,8 +10,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from specdec.config import EngineConfig, SamplingParams
+from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.engine import Engine
+from specdec.engine.registry import build_proposer
 from specdec.engine.sequence import Sequence
 from specdec.models.loader import eos_token_ids, load_decoder, load_tokenizer, parse_dtype, resolve_model_dir, resolve_tokenizer_dir
 from specdec.models.zoo import DEFAULT_MODEL
@@ -25,13 +26,15 @@ class LLM:
 
     `model` is an embedded name (`specdec models list`), a local HF directory
     (config.json + safetensors) or a .gguf file. `max_model_len` is capped at the
-    model's own `max_position_embeddings`.
+    model's own `max_position_embeddings`. `speculative_config` (vLLM names), e.g.
+    `{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`;
+    None decodes without speculation.
     """
 
     def __init__(
         self,
         model: str = DEFAULT_MODEL,
-        speculative_config: Mapping[str, Any] | None = None,
+        speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
         dtype: str = "float32",
@@ -40,8 +43,7 @@ class LLM:
         seed: int = 0,
         device: str = "cpu",
     ) -> None:
-        if speculative_config is not None:
-            raise ValueError("speculative_config is not supported yet: this version decodes without speculation")
+        spec = SpeculativeConfig.from_value(speculative_config)
         config = EngineConfig(
             model=str(model),
             tokenizer=tokenizer,
@@ -60,7 +62,16 @@ class LLM:
         decoder = load_decoder(model_dir, torch_dtype, device)
         limit = min(config.max_model_len, decoder.config.max_position_embeddings)
         self.config = dataclasses.replace(config, max_model_len=limit)
-        self.engine = Engine(decoder, self.tokenizer, eos_token_ids(model_dir, self.tokenizer), self.config)
+        proposer = None if spec is None else build_proposer(spec, decoder, self.config)
+        self.speculative_config = spec
+        self.engine = Engine(
+            decoder,
+            self.tokenizer,
+            eos_token_ids(model_dir, self.tokenizer),
+            self.config,
+            proposer=proposer,
+            num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+        )
         self._request_ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -80,4 +80,15 @@ def _metrics(sequences: list[Sequence]) -> RequestMetrics:
         e2e_s=e2e,
         tokens_per_s=num_out / e2e if e2e else None,
         num_target_forwards=max(s.num_forwards for s in sequences),
+        speculative_decoding=_spec_summary(sequences),
     )
+
+
+def _spec_summary(sequences: list[Sequence]) -> dict | None:
+    stats = [s.spec_stats for s in sequences if s.spec_stats is not None]
+    if not stats:
+        return None
+    total = stats[0]
+    for more in stats[1:]:
+        total = total.merged(more)
+    return total.summary()

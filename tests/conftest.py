@@ -79,3 +79,24 @@ def _isolated_cache(request, tmp_path, monkeypatch):
     """Tests never write to the user's model cache, except the real-model (`slow`) ones, which share it."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec-cache"))
+
+
+def perturbed_copy(source: Path, target: Path, noise: float, seed: int = 0) -> Path:
+    """The same model with Gaussian noise on its matrices: a draft that agrees with it often, not always."""
+    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 2:
+                p.add_(noise * torch.randn(p.shape, generator=g))
+    model.save_pretrained(target)
+    AutoTokenizer.from_pretrained(source).save_pretrained(target)
+    return target
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen_draft(tiny_qwen, tmp_path_factory) -> Path:
+    return perturbed_copy(tiny_qwen, tmp_path_factory.mktemp("tiny-qwen2-draft"), noise=0.08)

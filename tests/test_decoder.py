@@ -61,13 +61,16 @@ def test_last_logits_only_and_hidden_layers(tiny_qwen):
     decoder = load_decoder(tiny_qwen)
     cache = decoder.new_kv_cache(2, 32)
     a, b = cache.allocate(), cache.allocate()
-    out = run(decoder, cache, [SequenceInput(a, [1, 2, 3]), SequenceInput(b, [4, 5])], last_logits_only=True, hidden_layers=(0,))
-    assert out.logits.shape == (2, decoder.config.vocab_size)
+    out = run(decoder, cache, [SequenceInput(a, [1, 2, 3], num_logits=1), SequenceInput(b, [4, 5], num_logits=2)], hidden_layers=(0,))
+    assert out.logits.shape == (3, decoder.config.vocab_size)
     assert out.hidden.shape == (5, decoder.config.hidden_size)
     assert set(out.layer_hidden) == {0} and out.layer_hidden[0].shape == (5, decoder.config.hidden_size)
     full_cache = decoder.new_kv_cache(1, 32)
     full = run(decoder, full_cache, [SequenceInput(full_cache.allocate(), [1, 2, 3])])
     torch.testing.assert_close(out.logits[0], full.logits[-1], atol=ATOL, rtol=0)
+    pair_cache = decoder.new_kv_cache(1, 32)
+    pair = run(decoder, pair_cache, [SequenceInput(pair_cache.allocate(), [4, 5])])
+    torch.testing.assert_close(out.logits[1:], pair.logits, atol=ATOL, rtol=0)
 
 
 def test_tree_mask_and_positions_give_each_branch_its_chain_logits(tiny_llama):
@@ -111,5 +114,7 @@ def test_batch_build_rejects_bad_shapes():
         ForwardBatch.build([SequenceInput(0, [])], [0])
     with pytest.raises(ValueError, match="mask must be"):
         ForwardBatch.build([SequenceInput(0, [1, 2], mask=torch.ones(2, 2, dtype=torch.bool))], [3])
+    with pytest.raises(ValueError, match="num_logits"):
+        ForwardBatch.build([SequenceInput(0, [1, 2], num_logits=3)], [0])
     with pytest.raises(ValueError, match="positions"):
         ForwardBatch.build([SequenceInput(0, [1, 2], positions=[0])], [0])

@@ -20,3 +20,24 @@ def update_section(path: Path, name: str, body: str) -> None:
     pattern = re.compile(re.escape(start) + r".*?" + re.escape(end), re.DOTALL)
     text = pattern.sub(lambda _: block, text) if pattern.search(text) else text.rstrip() + "\n\n" + block + "\n"
     path.write_text(text)
+
+
+def environment_line() -> str:
+    import platform
+    import time
+
+    import torch
+
+    cpu = platform.processor() or platform.machine()
+    return f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads available, {time.strftime('%Y-%m-%d')}."
+
+
+def same_greedy_tokens(a: list[list[int]], b: list[list[int]], eos: set[int]) -> str:
+    """How many prompts give the same greedy tokens in two runs, compared up to the first EOS
+    (engines that ignore EOS differently may diverge after it)."""
+
+    def until_eos(tokens: list[int]) -> list[int]:
+        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+
+    same = sum(until_eos(x) == until_eos(y) for x, y in zip(a, b))
+    return f"{same}/{len(a)}"

@@ -1,11 +1,13 @@
-"""The engine step: admit requests, run one forward over every running sequence, sample, stop.
+"""The engine: admit requests, then step — propose, verify in one target forward, commit.
 
-Each sequence feeds either the next chunk of its prompt (chunked prefill) or its last
-sampled token; sequences of uneven length share one forward.
+Plain decoding is the same step with an empty draft, so speculation on and off share every
+line but the proposer. Sequences of uneven length (prompt chunks, verify blocks) share one
+forward; every sequence's tokens are appended through the same stop rules.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from typing import Any
@@ -18,12 +20,25 @@ from specdec.engine.stopping import StopRules, append_tokens, finish, start_deto
 from specdec.kv_cache import KVCache
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.sampling import make_generator, processed_probs, sample
+from specdec.metrics import SpecStats
+from specdec.sampling import make_generator, processed_probs
+from specdec.spec.proposers.base import Proposer
+from specdec.spec.verifier import Verified, greedy_match, rejection_sample
 
 
 class Engine:
-    def __init__(self, model: Decoder, tokenizer: Any | None, eos_token_ids: set[int], config: EngineConfig) -> None:
+    def __init__(
+        self,
+        model: Decoder,
+        tokenizer: Any | None,
+        eos_token_ids: set[int],
+        config: EngineConfig,
+        proposer: Proposer | None = None,
+        num_speculative_tokens: int = 0,
+    ) -> None:
         self.model = model
+        self.proposer = proposer
+        self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.config = config
         self.cache: KVCache = model.new_kv_cache(config.max_num_seqs, config.max_model_len)
         self.rules = StopRules(tokenizer, frozenset(eos_token_ids), config.max_model_len)
@@ -56,6 +71,7 @@ class Engine:
             else:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_source))
             seq = Sequence(request_id, index, prompt, params, make_generator(seed))
+            seq.spec_stats = SpecStats() if self.proposer is not None else None
             start_detokenizer(seq)
             sequences.append(seq)
         self.waiting.extend(sequences)
@@ -74,31 +90,80 @@ class Engine:
 
     # --- the step --------------------------------------------------------------
     def step(self) -> list[Sequence]:
-        """One forward over all running sequences; returns those that changed."""
+        """Propose → one target forward over every running sequence → verify → commit or roll back.
+
+        Each sequence feeds its pending tokens: a chunk of its prompt (chunked prefill), or its
+        last sampled token. A sequence whose pending tokens reach its end also feeds a draft,
+        so speculation starts at the first generated token and the prompt's last chunk is
+        verified together with it. With no proposer (or γ = 0) the draft is empty and this is
+        plain decoding. Returns the sequences that received tokens.
+        """
         self._admit()
         if not self.running:
             return []
         running = list(self.running)
-        inputs = [
-            SequenceInput(s.slot, s.pending_token_ids(self.cache.length(s.slot), self.config.max_prefill_chunk))
-            for s in running
-        ]
-        batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running], last_logits_only=True)
-        output = self.model.forward(batch, self.cache)
+        pending = [s.pending_token_ids(self.cache.length(s.slot), self.config.max_prefill_chunk) for s in running]
+        completing = [s for s, tokens in zip(running, pending) if self.cache.length(s.slot) + len(tokens) == s.num_tokens]
+        start = time.perf_counter()
+        drafts = self._propose(completing)
+        draft_time = time.perf_counter() - start
+
+        inputs = []
+        for seq, tokens in zip(running, pending):
+            draft_tokens = drafts[seq][0] if seq in drafts else []
+            inputs.append(SequenceInput(seq.slot, [*tokens, *draft_tokens], num_logits=1 + len(draft_tokens)))
+        start = time.perf_counter()
+        batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running])
+        logits = self.model.forward(batch, self.cache).logits.split([i.num_logits for i in inputs])
+
         ready = []
-        for row, seq in enumerate(running):
+        completing_set = set(completing)
+        for seq, seq_logits in zip(running, logits):
             seq.num_forwards += 1
-            if self.cache.length(seq.slot) == seq.num_tokens:  # prompt fully cached: sample next
-                ready.append(row)
-        if ready:
-            chosen = [running[r] for r in ready]
-            probs = processed_probs(output.logits[ready], [s.params for s in chosen])
-            tokens = sample(probs, [s.generator for s in chosen]).tolist()
-            for seq, token in zip(chosen, tokens):
-                append_tokens(seq, [token], self.rules)
-                if seq.is_finished:
-                    self._release(seq)
-        return [running[r] for r in ready]
+            if seq not in completing_set:
+                continue  # prompt still prefilling
+            draft_tokens, q = drafts.get(seq, ([], None))
+            verified = _verify(seq, seq_logits, draft_tokens, q)
+            kept = append_tokens(seq, verified.tokens[0], self.rules)
+            if draft_tokens and seq.spec_stats is not None:
+                seq.spec_stats.record(len(draft_tokens), min(verified.num_accepted[0], kept))
+            ready.append(seq)
+        verify_time = time.perf_counter() - start
+
+        for seq in ready:
+            if seq in drafts and seq.spec_stats is not None:
+                seq.spec_stats.draft_time_s += draft_time
+                seq.spec_stats.verify_time_s += verify_time
+            if seq.is_finished:
+                self._release(seq)
+            elif self.cache.length(seq.slot) > seq.num_tokens - 1:
+                self.cache.truncate(seq.slot, seq.num_tokens - 1)  # drop rejected drafts
+        if self.proposer is not None:
+            self.proposer.observe([s for s in ready if not s.is_finished])
+        return ready
+
+    def _propose(self, seqs: list[Sequence]) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
+        """Each sequence's draft tokens and q (None for deterministic drafts); none without a proposer."""
+        if self.proposer is None or not seqs:
+            return {}
+        gammas = [self._gamma(s) for s in seqs]
+        if not any(gammas):
+            return {}
+        draft = self.proposer.propose(seqs, gammas)
+        drafts = {}
+        for i, seq in enumerate(seqs):
+            n = min(draft.num_tokens[i], gammas[i])
+            if n > 0:
+                drafts[seq] = (draft.tokens[i, :n].tolist(), None if draft.q is None else draft.q[i, :n])
+        return drafts
+
+    def _gamma(self, seq: Sequence) -> int:
+        """γ for this step, never past max_tokens (the bonus token counts) or max_model_len."""
+        room = min(
+            self.config.max_model_len - seq.num_tokens,
+            seq.params.max_tokens - len(seq.output_token_ids) - 1,
+        )
+        return max(0, min(self.num_speculative_tokens, room))
 
     def _admit(self) -> None:
         while self.waiting and self.cache.can_allocate() and len(self.running) < self.config.max_num_seqs:
@@ -111,5 +176,16 @@ class Engine:
         if seq.slot is not None:
             self.cache.free(seq.slot)
             seq.slot = None
+        if self.proposer is not None:
+            self.proposer.release(seq)
         if seq in self.running:
             self.running.remove(seq)
+
+
+def _verify(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor | None) -> Verified:
+    """One sequence's γ + 1 target logits rows against its γ draft tokens (γ may be 0)."""
+    tokens = torch.tensor([draft_tokens], dtype=torch.long)
+    if seq.params.greedy:
+        return greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft_tokens)])
+    p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
+    return rejection_sample(p, tokens, [len(draft_tokens)], None if q is None else q[None], [seq.generator])

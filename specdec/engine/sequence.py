@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import SamplingParams
+from specdec.metrics import SpecStats
 
 
 class SequenceStatus(enum.Enum):
@@ -36,6 +37,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_forwards: int = 0  # target forwards this sequence took part in
+    spec_stats: SpecStats | None = None  # set when the engine speculates
 
     @property
     def token_ids(self) -> list[int]:

@@ -16,12 +16,14 @@ class SequenceInput:
     `positions` are their RoPE positions (default: consecutive after the cached tokens;
     a tree gives each node its depth). `mask` is an optional bool [n, cached + n] saying
     which cached-or-new tokens each new token may attend to (default: causal).
+    `num_logits` asks for logits at the last that many tokens only (None: all of them).
     """
 
     slot: int
     token_ids: Sequence[int]
     positions: Sequence[int] | None = None
     mask: torch.Tensor | None = None
+    num_logits: int | None = None
 
 
 @dataclass
@@ -32,7 +34,7 @@ class ForwardBatch:
     cache_lens: list[int]  # tokens already cached per sequence
     num_new: list[int]
     masks: list[torch.Tensor | None]
-    logits_rows: torch.Tensor | None  # rows of T to compute logits for; None = all
+    logits_rows: torch.Tensor | None  # rows of T to compute logits for, sequence by sequence; None = all
     hidden_layers: tuple[int, ...] = field(default_factory=tuple)
 
     @classmethod
@@ -41,13 +43,12 @@ class ForwardBatch:
         inputs: Sequence[SequenceInput],
         cache_lens: Sequence[int],
         *,
-        last_logits_only: bool = False,
         hidden_layers: Sequence[int] = (),
         device: torch.device | str = "cpu",
     ) -> "ForwardBatch":
         if not inputs:
             raise ValueError("a forward needs at least one sequence")
-        ids, positions, masks, num_new = [], [], [], []
+        ids, positions, masks, num_new, rows = [], [], [], [], []
         for seq, cached in zip(inputs, cache_lens, strict=True):
             n = len(seq.token_ids)
             if n == 0:
@@ -57,13 +58,15 @@ class ForwardBatch:
                 raise ValueError(f"slot {seq.slot}: {n} tokens but {len(pos)} positions")
             if seq.mask is not None and tuple(seq.mask.shape) != (n, cached + n):
                 raise ValueError(f"slot {seq.slot}: mask must be [{n}, {cached + n}], got {tuple(seq.mask.shape)}")
+            if seq.num_logits is not None and not 0 < seq.num_logits <= n:
+                raise ValueError(f"slot {seq.slot}: num_logits must be in [1, {n}], got {seq.num_logits}")
+            start = len(ids)
+            rows.extend(range(start + n - (seq.num_logits or n), start + n))
             ids.extend(seq.token_ids)
             positions.extend(pos)
             masks.append(seq.mask)
             num_new.append(n)
-        rows = None
-        if last_logits_only:
-            rows = torch.tensor(num_new, device=device).cumsum(0) - 1
+        every_row = len(rows) == len(ids)
         return cls(
             token_ids=torch.tensor(ids, dtype=torch.long, device=device),
             positions=torch.tensor(positions, dtype=torch.long, device=device),
@@ -71,7 +74,7 @@ class ForwardBatch:
             cache_lens=list(cache_lens),
             num_new=num_new,
             masks=masks,
-            logits_rows=rows,
+            logits_rows=None if every_row else torch.tensor(rows, dtype=torch.long, device=device),
             hidden_layers=tuple(hidden_layers),
         )
 

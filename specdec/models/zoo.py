@@ -68,6 +68,7 @@ EMBEDDED_MODELS: MappingProxyType[str, EmbeddedModel] = MappingProxyType(
     }
 )
 DEFAULT_MODEL = "qwen2.5-coder-1.5b"
+DEFAULT_DRAFT_MODEL = "qwen2.5-coder-0.5b"
 
 
 class ModelNotAvailableError(ValueError):

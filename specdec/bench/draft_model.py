@@ -1,0 +1,132 @@
+"""draft_model: speculative decoding with a draft model vs plain decoding, and vs transformers.
+
+One run measures, each in its own subprocess and on the same prompts: specdec plain, specdec
+with the draft at every γ, transformers plain and its assisted generation (default heuristic
+schedule and a constant γ). It also measures the forward cost curve (target for k new tokens,
+draft for one) to compare the measured speedup with two predictions:
+  seeds'      (1 − α^(γ+1)) / ((1 − α)(γc + 1))   — assumes verifying γ + 1 tokens costs one step
+  cost-aware  E[L] / (γc + v(γ+1))                 — with the measured v(k) = cost(k) / cost(1)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from specdec.bench.report import environment_line, median_spread, same_greedy_tokens, update_section
+from specdec.bench.workers import WorkerSpec, run_worker
+from specdec.metrics import expected_length
+from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+
+
+def main(argv: Sequence[str]) -> int:
+    parser = argparse.ArgumentParser(prog="specdec bench draft_model", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default=DEFAULT_MODEL)
+    parser.add_argument("--draft", default=DEFAULT_DRAFT_MODEL)
+    parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 8])
+    parser.add_argument("--hf-gamma", type=int, default=4, help="γ of transformers' constant schedule")
+    parser.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
+    parser.add_argument("--dataset", default="code")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--update", type=Path, default=None, help="rewrite this file's draft_model section")
+    args = parser.parse_args(argv)
+
+    common = dict(model=args.target, dataset=args.dataset, num_prompts=args.num_prompts,
+                  max_tokens=args.max_tokens, threads=args.threads, repeat=args.repeat)
+    specs = [WorkerSpec("specdec", **common)]
+    for i, gamma in enumerate(args.gammas):
+        config = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": gamma}
+        specs.append(WorkerSpec("specdec", **common, speculative_config=config, measure_costs=i == 0))
+    if not args.no_transformers:
+        specs += [
+            WorkerSpec("transformers", **common),
+            WorkerSpec("transformers", **common, assistant_model=args.draft),
+            WorkerSpec("transformers", **common, assistant_model=args.draft, assistant_schedule="constant",
+                       num_assistant_tokens=args.hf_gamma),
+        ]
+    results = []
+    for spec in specs:
+        print(f"[draft_model] {spec.label} ...", file=sys.stderr, flush=True)
+        results.append(run_worker(spec))
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "draft_model.json").write_text(json.dumps(results, indent=1))
+    table = report(results, args, argv)
+    print(table)
+    if args.update:
+        update_section(args.update, "draft_model", table)
+    return 0
+
+
+def predicted_speedups(alpha: float, mean_length: float, gamma: int, c: float, v: float) -> tuple[float, float]:
+    """(seeds' formula, cost-aware formula) for one γ."""
+    seeds = expected_length(alpha, gamma) / (gamma * c + 1)
+    cost_aware = mean_length / (gamma * c + v)
+    return seeds, cost_aware
+
+
+def report(results: list[dict[str, Any]], args: argparse.Namespace, argv: Sequence[str]) -> str:
+    plain = next(r for r in results if r["label"] == "specdec plain")
+    plain_tps = median_spread(plain["tok_per_s"])[0]
+    hf_plain = next((r for r in results if r["label"] == "transformers plain"), None)
+    costs = next((r["costs"] for r in results if r.get("costs")), None)
+    target_ms = {int(k): v for k, v in costs["target_ms"].items()} if costs else {}
+    c = costs["draft_ms"]["1"] / target_ms[1] if costs and costs.get("draft_ms") else None
+    eos = set(plain["eos_token_ids"])
+    lines = [
+        f"## Draft-model speculation: {args.target} with draft {args.draft}",
+        "",
+        f"Command: `specdec bench draft_model {' '.join(argv)}`  ",
+        f"Greedy, {args.num_prompts} prompts of the `{args.dataset}` set (completion and chat), {args.max_tokens} new tokens "
+        f"each (EOS ignored), batch 1, float32, {args.threads} threads, each configuration in its own subprocess; "
+        f"tok/s = new tokens / wall time over all prompts, median (min–max) of {args.repeat} passes; speedups are "
+        f"ratios of medians to specdec plain from the same run. {environment_line()}",
+        "",
+    ]
+    if costs:
+        curve = ", ".join(f"k={k}: {ms:.0f}" for k, ms in sorted(target_ms.items()))
+        lines += [
+            f"Measured forward cost (ms, median of 5, context {costs['context_tokens']} tokens): target {curve}; "
+            f"draft k=1: {costs['draft_ms']['1']:.0f}. So c = draft/target step = {c:.3f}, and "
+            + ", ".join(f"v({k}) = {target_ms[k] / target_ms[1]:.2f}" for k in sorted(target_ms) if k > 1) + ".",
+            "",
+        ]
+    lines += [
+        "| configuration | tok/s | speedup vs plain | acceptance rate | α | mean accepted length | predicted (seeds') | predicted (cost-aware) | measured ÷ cost-aware | same tokens as plain |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        med, low, high = median_spread(r["tok_per_s"])
+        row = [r["label"], f"{med:.2f} ({low:.2f}–{high:.2f})", f"{med / plain_tps:.2f}×"]
+        s = r.get("speculative")
+        if s:
+            gamma = r["spec"]["speculative_config"]["num_speculative_tokens"]
+            row += [f"{s['draft_acceptance_rate']:.2f}", f"{s['alpha']:.2f}", f"{s['mean_acceptance_length']:.2f}"]
+            if c is not None and gamma + 1 in target_ms:
+                seeds, aware = predicted_speedups(s["alpha"], s["mean_acceptance_length"], gamma, c,
+                                                  target_ms[gamma + 1] / target_ms[1])
+                row += [f"{seeds:.2f}×", f"{aware:.2f}×", f"{(med / plain_tps) / aware:.2f}"]
+            else:
+                row += ["—", "—", "—"]
+        else:
+            row += ["—"] * 6
+        row.append(same_greedy_tokens(r["tokens"], plain["tokens"], eos))
+        lines.append("| " + " | ".join(row) + " |")
+    if hf_plain:
+        hf_tps = median_spread(hf_plain["tok_per_s"])[0]
+        assisted = [r for r in results if r["spec"].get("assistant_model")]
+        lines += ["", "transformers' own speedups over its plain `generate` (same run): " + ", ".join(
+            f"{r['label']} {median_spread(r['tok_per_s'])[0] / hf_tps:.2f}×" for r in assisted) + "."]
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

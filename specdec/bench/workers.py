@@ -1,0 +1,171 @@
+"""One engine configuration measured in its own subprocess, so memory stays bounded and engines
+never share a process. The parent calls `run_worker(WorkerSpec)`; the child prints one JSON line.
+
+Each worker decodes the prompts one at a time (batch 1), greedy, a fixed number of new tokens
+(EOS ignored), `repeat` passes after a warm-up, and reports tok/s per pass plus what the engine
+measured about itself.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from specdec.bench.dataset import load_prompts, render
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    engine: str  # "specdec" | "transformers"
+    model: str
+    dataset: str = "code"
+    num_prompts: int = 6
+    max_tokens: int = 64
+    threads: int = 2
+    repeat: int = 3
+    speculative_config: dict | None = None  # specdec
+    assistant_model: str | None = None  # transformers assisted generation
+    assistant_schedule: str | None = None  # "constant" | None (transformers' default heuristic)
+    num_assistant_tokens: int | None = None
+    measure_costs: bool = False  # specdec: forward time for k new tokens, target and draft
+
+    @property
+    def label(self) -> str:
+        if self.speculative_config:
+            return f"specdec {self.speculative_config['method']} γ={self.speculative_config['num_speculative_tokens']}"
+        if self.assistant_model:
+            schedule = self.assistant_schedule or "heuristic"
+            gamma = f" γ={self.num_assistant_tokens}" if self.num_assistant_tokens else ""
+            return f"transformers assisted ({schedule}{gamma})"
+        return f"{self.engine} plain"
+
+
+def run_worker(spec: WorkerSpec) -> dict[str, Any]:
+    done = subprocess.run(
+        [sys.executable, "-m", "specdec.bench.workers", json.dumps(asdict(spec))], capture_output=True, text=True
+    )
+    if done.returncode != 0:
+        raise RuntimeError(f"worker {spec.label} on {spec.model} failed:\n{done.stderr[-4000:]}")
+    return {"spec": asdict(spec), "label": spec.label, **json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+def _timed_passes(spec: WorkerSpec, generate: Callable[[list[int]], list[int]], prompts: list[list[int]]) -> dict:
+    generate(prompts[0][:8])  # warm-up
+    passes: list[float] = []
+    tokens: list[list[int]] = []
+    for _ in range(spec.repeat):
+        start, count, tokens = time.perf_counter(), 0, []
+        for ids in prompts:
+            out = generate(ids)
+            tokens.append(out)
+            count += len(out)
+        passes.append(count / (time.perf_counter() - start))
+    return {"tok_per_s": passes, "tokens": tokens}
+
+
+def _specdec(spec: WorkerSpec) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(spec.threads)
+    from specdec import LLM, SamplingParams
+    from specdec.metrics import SpecStats
+
+    llm = LLM(spec.model, speculative_config=spec.speculative_config, max_num_seqs=1)
+    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
+    ttft, tpot, stats = [], [], []
+
+    def generate(ids: list[int]) -> list[int]:
+        [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        ttft.append(out.metrics.ttft_s)
+        tpot.append(out.metrics.tpot_s)
+        stats.append(out.metrics.speculative_decoding)
+        return out.outputs[0].token_ids
+
+    prompts = [render(p, llm.get_tokenizer()) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+    result = _timed_passes(spec, generate, prompts)
+    spec_summary = None
+    if spec.speculative_config:
+        total = SpecStats()
+        for s in stats[1:]:  # all timed passes, not the warm-up
+            total = total.merged(SpecStats.from_summary(s))
+        spec_summary = total.summary()
+    costs = _forward_costs(llm, prompts) if spec.measure_costs else None
+    return {
+        **result, "ttft_s": ttft[1:], "tpot_s": tpot[1:], "speculative": spec_summary, "costs": costs,
+        "eos_token_ids": sorted(llm.engine.rules.eos_token_ids),
+    }
+
+
+def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 5, 9), reps: int = 5) -> dict:
+    """Median ms of one forward over k new tokens after a prompt-sized context, target and draft."""
+    import torch
+
+    from specdec.models.batch import ForwardBatch, SequenceInput
+
+    context = max(prompts, key=len)
+
+    def cost(model: Any, k: int) -> float:
+        cache = model.new_kv_cache(1, len(context) + max(ks) + 1)
+        slot = cache.allocate()
+        model.forward(ForwardBatch.build([SequenceInput(slot, context)], [0]), cache)
+        times = []
+        for _ in range(reps):
+            start = time.perf_counter()
+            model.forward(ForwardBatch.build([SequenceInput(slot, list(range(100, 100 + k)))], [len(context)]), cache)
+            times.append((time.perf_counter() - start) * 1000)
+            cache.truncate(slot, len(context))
+        return statistics.median(times)
+
+    with torch.inference_mode():
+        target = {k: cost(llm.engine.model, k) for k in ks}
+        proposer = llm.engine.proposer
+        draft = {1: cost(proposer.model, 1)} if proposer is not None and hasattr(proposer, "model") else None
+    return {"context_tokens": len(context), "target_ms": target, "draft_ms": draft}
+
+
+def _transformers(spec: WorkerSpec) -> dict[str, Any]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from specdec.models.loader import resolve_model_dir
+
+    torch.set_num_threads(spec.threads)
+    model_dir = resolve_model_dir(spec.model)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    options: dict[str, Any] = {}
+    if spec.assistant_model:
+        assistant = AutoModelForCausalLM.from_pretrained(resolve_model_dir(spec.assistant_model), dtype=torch.float32).eval()
+        options["assistant_model"] = assistant
+        if spec.assistant_schedule:
+            assistant.generation_config.num_assistant_tokens_schedule = spec.assistant_schedule
+        if spec.num_assistant_tokens:
+            assistant.generation_config.num_assistant_tokens = spec.num_assistant_tokens
+    config = GenerationConfig(
+        max_new_tokens=spec.max_tokens, min_new_tokens=spec.max_tokens, do_sample=False,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+    )
+
+    def generate(ids: list[int]) -> list[int]:
+        input_ids = torch.tensor([ids])
+        with torch.inference_mode():
+            out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **options)
+        return out[0, len(ids):].tolist()
+
+    prompts = [render(p, tokenizer) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+    from importlib.metadata import version
+
+    return {**_timed_passes(spec, generate, prompts), "version": version("transformers")}
+
+
+_ENGINES: dict[str, Callable[[WorkerSpec], dict[str, Any]]] = {"specdec": _specdec, "transformers": _transformers}
+
+if __name__ == "__main__":
+    worker_spec = WorkerSpec(**json.loads(sys.argv[1]))
+    print(json.dumps(_ENGINES[worker_spec.engine](worker_spec)))

@@ -1,0 +1,36 @@
+"""Speculation method name → proposer, looked up once where the configuration comes in."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.models.decoder import Decoder
+from specdec.spec.proposers.base import Proposer
+
+
+def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.models.loader import load_decoder, parse_dtype, resolve_model_dir
+    from specdec.spec.proposers.draft_model import DraftModelProposer
+
+    from specdec.models.zoo import DEFAULT_DRAFT_MODEL
+
+    name = spec.model or DEFAULT_DRAFT_MODEL  # the embedded pair's draft
+    draft = load_decoder(resolve_model_dir(name), parse_dtype(engine.dtype), engine.device)
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft model {name!r} has vocabulary size {draft.config.vocab_size}, the target "
+            f"{target.config.vocab_size}: a draft must share the target's tokenizer"
+        )
+    return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len)
+
+
+PROPOSERS: dict[str, Callable[[SpeculativeConfig, Decoder, EngineConfig], Proposer]] = {
+    "draft_model": _draft_model,
+}
+
+
+def build_proposer(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    if spec.method not in PROPOSERS:
+        raise ValueError(f"unknown speculative method {spec.method!r}; available: {', '.join(PROPOSERS)}")
+    return PROPOSERS[spec.method](spec, target, engine)

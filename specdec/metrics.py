@@ -1,0 +1,84 @@
+"""Speculation counters per sequence, and the numbers derived from them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecStats:
+    """Counts only committed tokens: an accepted draft cut off by a stop is not counted.
+    A step without a proposal is a plain step and is not counted here."""
+
+    num_spec_steps: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    acceptance_histogram: list[int] = field(default_factory=list)  # accepted count per draft position
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def record(self, num_drafted: int, num_accepted: int) -> None:
+        self.num_spec_steps += 1
+        self.num_draft_tokens += num_drafted
+        self.num_accepted_tokens += num_accepted
+        if len(self.acceptance_histogram) < num_drafted:
+            self.acceptance_histogram.extend([0] * (num_drafted - len(self.acceptance_histogram)))
+        for position in range(num_accepted):
+            self.acceptance_histogram[position] += 1
+
+    @classmethod
+    def from_summary(cls, summary: dict) -> "SpecStats":
+        """Back from `summary()`, e.g. to add up the stats of many requests."""
+        return cls(**{f: summary[f] for f in cls.__dataclass_fields__})
+
+    def merged(self, other: "SpecStats") -> "SpecStats":
+        width = max(len(self.acceptance_histogram), len(other.acceptance_histogram))
+        pad = lambda h: h + [0] * (width - len(h))  # noqa: E731
+        return SpecStats(
+            self.num_spec_steps + other.num_spec_steps,
+            self.num_draft_tokens + other.num_draft_tokens,
+            self.num_accepted_tokens + other.num_accepted_tokens,
+            [a + b for a, b in zip(pad(self.acceptance_histogram), pad(other.acceptance_histogram))],
+            self.draft_time_s + other.draft_time_s,
+            self.verify_time_s + other.verify_time_s,
+        )
+
+    def summary(self) -> dict:
+        steps = self.num_spec_steps
+        mean_length = 1 + self.num_accepted_tokens / steps if steps else None
+        gamma = self.num_draft_tokens / steps if steps else None
+        return {
+            "num_spec_steps": steps,
+            "num_draft_tokens": self.num_draft_tokens,
+            "num_accepted_tokens": self.num_accepted_tokens,
+            "draft_acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None,
+            "mean_acceptance_length": mean_length,
+            "alpha": alpha_from_mean_length(mean_length, gamma) if steps else None,
+            "acceptance_histogram": list(self.acceptance_histogram),
+            "draft_time_s": self.draft_time_s,
+            "verify_time_s": self.verify_time_s,
+        }
+
+
+def expected_length(alpha: float, gamma: float) -> float:
+    """E[L] = (1 − α^(γ+1)) / (1 − α): tokens per step when each draft is accepted with probability α."""
+    if alpha >= 1.0:
+        return gamma + 1
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def alpha_from_mean_length(mean_length: float, gamma: float) -> float:
+    """The α that gives the observed mean acceptance length (Leviathan's per-token acceptance).
+
+    E[L] increases with α from 1 (α = 0) to γ + 1 (α = 1), so bisection finds it; γ is the
+    mean number of drafted tokens per step.
+    """
+    if mean_length >= gamma + 1 - 1e-12:
+        return 1.0
+    if mean_length <= 1.0:
+        return 0.0
+    low, high = 0.0, 1.0
+    for _ in range(60):
+        mid = (low + high) / 2
+        low, high = (mid, high) if expected_length(mid, gamma) < mean_length else (low, mid)
+    return (low + high) / 2

@@ -1,0 +1,40 @@
+"""The proposer protocol: what every speculation method offers the engine.
+
+The engine chooses γ per sequence per step and passes it in; a proposer may return fewer
+tokens. Deterministic proposers return q = None, which alone selects the verification path
+for one-hot drafts. The engine never asks which method a proposer implements.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from specdec.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class Draft:
+    tokens: torch.Tensor  # [B, γ_max] long; row i is valid up to num_tokens[i]
+    num_tokens: list[int]  # γ_i proposed for each sequence
+    q: torch.Tensor | None  # [B, γ_max, V] processed draft distributions; None = deterministic
+
+    @classmethod
+    def empty(cls, batch: int) -> "Draft":
+        return cls(torch.zeros(batch, 0, dtype=torch.long), [0] * batch, None)
+
+
+class Proposer(Protocol):
+    needs_hidden_states: bool  # whether propose() reads the target's hidden states (EAGLE, MTP)
+
+    def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
+        """Up to num_tokens[i] draft tokens continuing each sequence's committed tokens."""
+
+    def observe(self, seqs: Seq[Sequence]) -> None:
+        """Called after verification appended the accepted tokens: roll back what was rejected."""
+
+    def release(self, seq: Sequence) -> None:
+        """The sequence finished or was aborted: drop its state."""

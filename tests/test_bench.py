@@ -1,0 +1,68 @@
+"""Benchmarks on tiny models: they run, their files appear, and their numbers hang together."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specdec.bench import run_benchmark
+from specdec.bench.draft_model import predicted_speedups
+from specdec.bench.report import same_greedy_tokens, update_section
+
+
+def test_predicted_speedups_by_hand():
+    seeds, aware = predicted_speedups(alpha=0.5, mean_length=1.875, gamma=3, c=0.25, v=1.5)
+    assert seeds == pytest.approx(1.875 / 1.75)  # (1 − 0.5⁴)/(0.5 · (3·0.25 + 1))
+    assert aware == pytest.approx(1.875 / 2.25)  # E[L] / (γc + v)
+
+
+def test_update_section_replaces_only_its_own_block(tmp_path):
+    doc = tmp_path / "B.md"
+    doc.write_text("# Benchmarks\n\nhand-written notes\n")
+    update_section(doc, "x", "first")
+    update_section(doc, "y", "other")
+    update_section(doc, "x", "second")
+    text = doc.read_text()
+    assert "hand-written notes" in text and "other" in text and "second" in text and "first" not in text
+
+
+def test_same_greedy_tokens_compares_up_to_eos():
+    assert same_greedy_tokens([[1, 2, 9, 5], [1, 2]], [[1, 2, 9, 7], [1, 3]], {9}) == "1/2"
+
+
+def test_draft_model_bench_on_tiny_models(tiny_qwen, tiny_qwen_draft, tmp_path, capsys):
+    out, doc = tmp_path / "results", tmp_path / "BENCH.md"
+    code = run_benchmark("draft_model", [
+        "--target", str(tiny_qwen), "--draft", str(tiny_qwen_draft), "--gammas", "1", "3", "--no-transformers",
+        "--repeat", "2", "--num-prompts", "2", "--max-tokens", "12", "--out", str(out), "--update", str(doc)])
+    assert code == 0
+    results = json.loads((out / "draft_model.json").read_text())
+    assert [r["label"] for r in results] == ["specdec plain", "specdec draft_model γ=1", "specdec draft_model γ=3"]
+    for r in results:
+        assert len(r["tok_per_s"]) == 2 and all(t > 0 for t in r["tok_per_s"])
+    plain_tokens = results[0]["tokens"]
+    for r in results[1:]:
+        assert r["tokens"] == plain_tokens  # greedy identity inside the bench too
+        s = r["speculative"]
+        assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_spec_steps"])
+    costs = results[1]["costs"]
+    assert set(costs["target_ms"]) == {"1", "2", "3", "5", "9"} and costs["draft_ms"]["1"] > 0
+    table = doc.read_text()
+    assert "<!-- bench:draft_model -->" in table and "| specdec draft_model γ=3 |" in table
+    assert "2/2" in table and "c = draft/target step" in table
+
+
+def test_plain_decode_bench_on_a_tiny_model(tiny_qwen, tmp_path):
+    out = tmp_path / "results"
+    code = run_benchmark("plain_decode", ["--models", str(tiny_qwen), "--repeat", "1", "--num-prompts", "2",
+                                          "--max-tokens", "6", "--out", str(out)])
+    assert code == 0
+    results = json.loads((out / "plain_decode.json").read_text())
+    assert [r["spec"]["engine"] for r in results] == ["specdec", "transformers"]
+    assert results[0]["tokens"] == results[1]["tokens"]  # same greedy tokens as transformers
+
+
+def test_unknown_benchmark():
+    with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
+        run_benchmark("nope", [])
