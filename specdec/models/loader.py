@@ -72,14 +72,16 @@ def load_decoder(model_dir: Path, dtype: torch.dtype = torch.float32, device: st
     config = DecoderConfig.from_hf(hf_config)
     weights = _read_safetensors(model_dir)
 
-    def take(name: str, required: bool = True) -> torch.Tensor | None:
+    # safetensors hands out tensors backed by the file's mmap: copy each into memory we own
+    # (torch.cat copies already), so the cache file can change under a running model.
+    def take(name: str, required: bool = True, copy: bool = True) -> torch.Tensor | None:
         tensor = weights.pop(name, None)
         if tensor is None and required:
             raise ValueError(f"{model_dir}: weight {name!r} is missing")
-        return None if tensor is None else tensor.to(device=device, dtype=dtype)
+        return None if tensor is None else tensor.to(device=device, dtype=dtype, copy=copy)
 
     def fused(names: list[str], required: bool = True) -> torch.Tensor | None:
-        parts = [take(n, required) for n in names]
+        parts = [take(n, required, copy=False) for n in names]
         return None if parts[0] is None else torch.cat(parts)
 
     layers = []
