@@ -29,6 +29,8 @@ def test_update_section_replaces_only_its_own_block(tmp_path):
 
 def test_same_greedy_tokens_compares_up_to_eos():
     assert same_greedy_tokens([[1, 2, 9, 5], [1, 2]], [[1, 2, 9, 7], [1, 3]], {9}) == "1/2"
+    assert same_greedy_tokens([[1, 9, 4]], [[1, 5, 6]], {9}) == "1/1"  # the other run suppressed EOS
+    assert same_greedy_tokens([[1, 9, 4]], [[2, 5, 6]], {9}) == "0/1"
 
 
 def test_draft_model_bench_on_tiny_models(tiny_qwen, tiny_qwen_draft, tmp_path, capsys):

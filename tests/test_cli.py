@@ -48,3 +48,21 @@ def test_models_list_entry_point():
     rows = {r["name"]: r for r in json.loads(done.stdout)}
     assert set(rows) == {"qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b"}
     assert rows["qwen2.5-coder-1.5b"]["converted"] is False  # the tests' cache is empty
+
+
+def test_generate_with_a_draft_model_prints_speculation_metrics(tiny_qwen, tiny_qwen_draft, capsys):
+    args = ["generate", "def f(x):", "--model", str(tiny_qwen), "--max-tokens", "10", "--max-model-len", "64"]
+    assert main(args + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert plain["metrics"]["speculative_decoding"] is None
+    spec_args = args + ["--method", "draft_model", "--draft", str(tiny_qwen_draft), "--num-speculative-tokens", "3"]
+    assert main(spec_args + ["--json"]) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]  # greedy: identical output
+    sd = spec["metrics"]["speculative_decoding"]
+    assert sd["num_spec_steps"] > 0 and set(sd) >= {"draft_acceptance_rate", "mean_acceptance_length", "alpha",
+                                                     "acceptance_histogram", "draft_time_s", "verify_time_s"}
+    assert main(spec_args) == 0
+    assert "mean accepted length" in capsys.readouterr().err
+    assert main(args + ["--method", "eagle9"]) == 2
+    assert "unknown speculative method 'eagle9'" in capsys.readouterr().err

@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from conftest import tree_mask
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.loader import load_decoder
 
@@ -83,13 +84,7 @@ def test_tree_mask_and_positions_give_each_branch_its_chain_logits(tiny_llama):
     cache = decoder.new_kv_cache(1, 32)
     slot = cache.allocate()
     run(decoder, cache, [SequenceInput(slot, prefix)])
-    mask = torch.zeros(4, len(prefix) + 4, dtype=torch.bool)
-    mask[:, : len(prefix)] = True
-    for node in range(4):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, len(prefix) + ancestor] = True
-            ancestor = parents[ancestor]
+    mask = tree_mask(parents, len(prefix))
     positions = [len(prefix) + d for d in depth]
     tree = run(decoder, cache, [SequenceInput(slot, tokens, positions=positions, mask=mask)]).logits
     for node, chain in [(0, [50]), (1, [50, 60]), (2, [50, 70]), (3, [50, 70, 80])]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import tree_mask
 from specdec.kv_cache import KVCache, KVCacheFullError
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.loader import load_decoder
@@ -80,13 +81,7 @@ def test_compact_keeps_a_tree_path_bitwise_and_continues_like_a_fresh_prefill(ti
     decoder = load_decoder(tiny_llama)
     prefix = [3, 1, 4, 1, 5]
     tokens, parents, depth = [9, 2, 6, 5], [-1, 0, 0, 2], [0, 1, 1, 2]
-    mask = torch.zeros(4, len(prefix) + 4, dtype=torch.bool)
-    mask[:, : len(prefix)] = True
-    for node in range(4):
-        a = node
-        while a >= 0:
-            mask[node, len(prefix) + a] = True
-            a = parents[a]
+    mask = tree_mask(parents, len(prefix))
     cache = decoder.new_kv_cache(1, 32)
     slot = cache.allocate()
     forward(decoder, cache, slot, prefix)

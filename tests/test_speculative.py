@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
@@ -83,6 +85,21 @@ def test_stop_token_inside_an_accepted_block(tiny_qwen):
     s = out.metrics.speculative_decoding
     assert s["num_spec_steps"] == 1 and s["num_draft_tokens"] == 4
     assert s["num_accepted_tokens"] == cut  # only committed tokens count: the rest of the block is dropped
+    assert_idle(llm)
+
+
+def test_eos_inside_an_accepted_block(tiny_qwen):
+    llm = spec_llm(tiny_qwen, tiny_qwen, 4, max_model_len=128)
+    [free] = llm.generate("eos", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    tokens = free.outputs[0].token_ids
+    eos = tokens[3]
+    cut = tokens.index(eos) + 1
+    engine = llm.engine
+    engine.rules = dataclasses.replace(engine.rules, eos_token_ids=frozenset({eos}))
+    [out] = llm.generate("eos", SamplingParams(temperature=0, max_tokens=20))
+    assert out.outputs[0].token_ids == tokens[:cut]
+    assert (out.outputs[0].finish_reason, out.outputs[0].stop_reason) == ("stop", None)
+    assert out.metrics.speculative_decoding["num_accepted_tokens"] <= cut
     assert_idle(llm)
 
 

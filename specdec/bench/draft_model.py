@@ -11,14 +11,12 @@ draft for one) to compare the measured speedup with two predictions:
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from specdec.bench.report import environment_line, median_spread, same_greedy_tokens, update_section
-from specdec.bench.workers import WorkerSpec, run_worker
+from specdec.bench.report import environment_line, median_spread, publish, same_greedy_tokens
+from specdec.bench.workers import WorkerSpec, add_run_arguments, run_workers
 from specdec.metrics import expected_length
 from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
@@ -31,13 +29,7 @@ def main(argv: Sequence[str]) -> int:
     parser.add_argument("--gammas", type=int, nargs="+", default=[1, 2, 4, 8])
     parser.add_argument("--hf-gamma", type=int, default=4, help="γ of transformers' constant schedule")
     parser.add_argument("--no-transformers", action="store_true", help="skip the transformers peers")
-    parser.add_argument("--dataset", default="code")
-    parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--update", type=Path, default=None, help="rewrite this file's draft_model section")
+    add_run_arguments(parser, "draft_model")
     args = parser.parse_args(argv)
 
     common = dict(model=args.target, dataset=args.dataset, num_prompts=args.num_prompts,
@@ -53,16 +45,8 @@ def main(argv: Sequence[str]) -> int:
             WorkerSpec("transformers", **common, assistant_model=args.draft, assistant_schedule="constant",
                        num_assistant_tokens=args.hf_gamma),
         ]
-    results = []
-    for spec in specs:
-        print(f"[draft_model] {spec.label} ...", file=sys.stderr, flush=True)
-        results.append(run_worker(spec))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "draft_model.json").write_text(json.dumps(results, indent=1))
-    table = report(results, args, argv)
-    print(table)
-    if args.update:
-        update_section(args.update, "draft_model", table)
+    results = run_workers("draft_model", specs)
+    publish("draft_model", results, report(results, args, argv), args.out, args.update)
     return 0
 
 
@@ -118,7 +102,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace, argv: Sequen
                 row += ["—", "—", "—"]
         else:
             row += ["—"] * 6
-        row.append(same_greedy_tokens(r["tokens"], plain["tokens"], eos))
+        row.append("—" if r is plain else same_greedy_tokens(r["tokens"], plain["tokens"], eos))
         lines.append("| " + " | ".join(row) + " |")
     if hf_plain:
         hf_tps = median_spread(hf_plain["tok_per_s"])[0]

@@ -8,14 +8,12 @@ section of BENCHMARKS.md.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
-from specdec.bench.report import environment_line, median_spread, same_greedy_tokens, update_section
-from specdec.bench.workers import WorkerSpec, run_worker
+from specdec.bench.report import environment_line, median_spread, publish, same_greedy_tokens
+from specdec.bench.workers import WorkerSpec, add_run_arguments, run_workers
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 
@@ -23,27 +21,15 @@ DEFAULT_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec bench plain_decode", description=__doc__)
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
-    parser.add_argument("--dataset", default="code")
-    parser.add_argument("--num-prompts", type=int, default=6)
-    parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--out", type=Path, default=Path("bench-results"))
-    parser.add_argument("--update", type=Path, default=None, help="rewrite this file's plain_decode section")
+    add_run_arguments(parser, "plain_decode")
     args = parser.parse_args(argv)
-
-    results = []
-    for model in args.models:
-        for engine in ("specdec", "transformers"):
-            spec = WorkerSpec(engine, model, args.dataset, args.num_prompts, args.max_tokens, args.threads, args.repeat)
-            print(f"[plain_decode] {spec.label} on {model} ...", file=sys.stderr, flush=True)
-            results.append(run_worker(spec))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "plain_decode.json").write_text(json.dumps(results, indent=1))
-    table = _table(results, args, argv)
-    print(table)
-    if args.update:
-        update_section(args.update, "plain_decode", table)
+    specs = [
+        WorkerSpec(engine, model, args.dataset, args.num_prompts, args.max_tokens, args.threads, args.repeat)
+        for model in args.models
+        for engine in ("specdec", "transformers")
+    ]
+    results = run_workers("plain_decode", specs)
+    publish("plain_decode", results, _table(results, args, argv), args.out, args.update)
     return 0
 
 

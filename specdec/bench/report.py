@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import statistics
 from pathlib import Path
@@ -10,6 +11,15 @@ from pathlib import Path
 def median_spread(values: list[float]) -> tuple[float, float, float]:
     """(median, min, max)."""
     return statistics.median(values), min(values), max(values)
+
+
+def publish(name: str, results: list[dict], table: str, out: Path, update: Path | None) -> None:
+    """Save the raw results as JSON, print the table, and rewrite its BENCHMARKS.md section if asked."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(results, indent=1))
+    print(table)
+    if update is not None:
+        update_section(update, name, table)
 
 
 def update_section(path: Path, name: str, body: str) -> None:
@@ -33,11 +43,14 @@ def environment_line() -> str:
 
 
 def same_greedy_tokens(a: list[list[int]], b: list[list[int]], eos: set[int]) -> str:
-    """How many prompts give the same greedy tokens in two runs, compared up to the first EOS
-    (engines that ignore EOS differently may diverge after it)."""
+    """How many prompts give the same greedy tokens in two runs, compared up to the first EOS in
+    either (an engine that suppresses EOS to reach a fixed length continues differently after it)."""
 
-    def until_eos(tokens: list[int]) -> list[int]:
-        return next((tokens[:i] for i, t in enumerate(tokens) if t in eos), tokens)
+    def first_eos(tokens: list[int]) -> int:
+        return next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
 
-    same = sum(until_eos(x) == until_eos(y) for x, y in zip(a, b))
+    same = 0
+    for x, y in zip(a, b):
+        k = min(first_eos(x), first_eos(y))
+        same += x[:k] == y[:k]
     return f"{same}/{len(a)}"

@@ -8,6 +8,7 @@ measured about itself.
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import subprocess
@@ -15,6 +16,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 from specdec.bench.dataset import load_prompts, render
@@ -44,6 +46,25 @@ class WorkerSpec:
             gamma = f" γ={self.num_assistant_tokens}" if self.num_assistant_tokens else ""
             return f"transformers assisted ({schedule}{gamma})"
         return f"{self.engine} plain"
+
+
+def add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
+    """The options every benchmark shares: prompts, length, threads, repeats, where results go."""
+    parser.add_argument("--dataset", default="code")
+    parser.add_argument("--num-prompts", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench-results"))
+    parser.add_argument("--update", type=Path, default=None, help=f"rewrite this Markdown file's {name} section")
+
+
+def run_workers(name: str, specs: list[WorkerSpec]) -> list[dict[str, Any]]:
+    results = []
+    for spec in specs:
+        print(f"[{name}] {spec.label} on {spec.model} ...", file=sys.stderr, flush=True)
+        results.append(run_worker(spec))
+    return results
 
 
 def run_worker(spec: WorkerSpec) -> dict[str, Any]:

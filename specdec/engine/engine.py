@@ -18,9 +18,9 @@ from specdec.config import EngineConfig, SamplingParams
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stopping import StopRules, append_tokens, finish, start_detokenizer
 from specdec.kv_cache import KVCache
+from specdec.metrics import SpecStats
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.metrics import SpecStats
 from specdec.sampling import make_generator, processed_probs
 from specdec.spec.proposers.base import Proposer
 from specdec.spec.verifier import Verified, greedy_match, rejection_sample
