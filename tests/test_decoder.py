@@ -8,6 +8,7 @@ from transformers import AutoModelForCausalLM
 
 from conftest import tree_mask
 from specdec.models.batch import ForwardBatch, SequenceInput
+from specdec.models.linear import DenseLinear, PrepackedLinear
 from specdec.models.loader import load_decoder
 
 # float32 through a few layers: differences come only from summation order.
@@ -113,3 +114,15 @@ def test_batch_build_rejects_bad_shapes():
         ForwardBatch.build([SequenceInput(0, [1, 2], num_logits=3)], [0])
     with pytest.raises(ValueError, match="positions"):
         ForwardBatch.build([SequenceInput(0, [1, 2], positions=[0])], [0])
+
+
+def test_prepacked_and_dense_kernels_agree(tiny_qwen):
+    packed, dense = load_decoder(tiny_qwen), load_decoder(tiny_qwen, prepack=False)
+    assert isinstance(packed.layers[0].qkv, PrepackedLinear) and isinstance(packed.lm_head, PrepackedLinear)
+    assert isinstance(dense.layers[0].qkv, DenseLinear)
+    ids = list(range(40, 60))
+    logits = []
+    for decoder in (packed, dense):
+        cache = decoder.new_kv_cache(1, 32)
+        logits.append(run(decoder, cache, [SequenceInput(cache.allocate(), ids)]).logits)
+    torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=0)

@@ -1,7 +1,10 @@
 """The linear-kernel layer: a weight prepared once at load, applied many times.
 
-Only dense float weights for now; packed/quantized kernels plug in here behind the
-same call, chosen once when the model loads (never per call).
+`DenseLinear` is plain `F.linear`. `PrepackedLinear` reorders a float32 CPU weight once into
+oneDNN's blocked layout: on this 2-core AVX2 machine it reads weights at about twice the
+speed of the stock kernel at one row, and stays nearly flat up to 8–16 rows (the stock kernel
+costs 2–3× more for 2–3 rows than for one), which is what verification of γ + 1 tokens needs.
+`make_linear` chooses once, when the model loads; nothing is decided per call.
 """
 
 from __future__ import annotations
@@ -10,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 
-class Linear:
+class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
@@ -21,3 +24,30 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+class PrepackedLinear:
+    """float32 on CPU through oneDNN with the weight reordered once (x: [rows, in])."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
+        self.bias = bias
+        self._out_features = weight.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self._out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+Linear = DenseLinear | PrepackedLinear
+
+
+def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
+    return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
+
+
+def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> Linear:
+    return PrepackedLinear(weight, bias) if prepack else DenseLinear(weight, bias)

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from specdec.models import zoo
 from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, rope_inverse_frequencies
-from specdec.models.linear import Linear
+from specdec.models.linear import Linear, can_prepack, make_linear
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -67,8 +67,18 @@ def load_hf_config(model_dir: Path) -> Any:
     return AutoConfig.from_pretrained(model_dir)
 
 
-def load_decoder(model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu") -> Decoder:
+def load_decoder(
+    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", prepack: bool | None = None
+) -> Decoder:
+    """Load the native decoder. `prepack` (default: whenever supported) reorders float32 CPU weights
+    once for oneDNN; False keeps plain `F.linear`."""
     hf_config = load_hf_config(model_dir)
+    if prepack is None:
+        prepack = can_prepack(dtype, device)
+
+    def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+        return make_linear(weight, bias, prepack)
+
     config = DecoderConfig.from_hf(hf_config)
     weights = _read_safetensors(model_dir)
 
@@ -92,11 +102,11 @@ def load_decoder(model_dir: Path, dtype: torch.dtype = torch.float32, device: st
         layers.append(
             LayerWeights(
                 input_norm=take(p + "input_layernorm.weight"),
-                qkv=Linear(fused([a + ".weight" for a in attn]), fused([a + ".bias" for a in attn], config.attention_bias)),
-                o=Linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False)),
+                qkv=linear(fused([a + ".weight" for a in attn]), fused([a + ".bias" for a in attn], config.attention_bias)),
+                o=linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False)),
                 post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=Linear(fused([m + ".weight" for m in mlp]), fused([m + ".bias" for m in mlp], config.mlp_bias)),
-                down=Linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
+                gate_up=linear(fused([m + ".weight" for m in mlp]), fused([m + ".bias" for m in mlp], config.mlp_bias)),
+                down=linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
             )
         )
     embed = take("model.embed_tokens.weight")
@@ -107,7 +117,7 @@ def load_decoder(model_dir: Path, dtype: torch.dtype = torch.float32, device: st
         embed=embed,
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=Linear(embed if lm_head is None else lm_head),
+        lm_head=linear(embed if lm_head is None else lm_head, None),
         inv_freq=inv_freq.to(device),
         attention_scaling=scaling,
     )
