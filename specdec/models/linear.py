@@ -1,9 +1,9 @@
 """The linear-kernel layer: a weight prepared once at load, applied many times.
 
 `DenseLinear` is plain `F.linear`. `PrepackedLinear` reorders a float32 CPU weight once into
-oneDNN's blocked layout: on this 2-core AVX2 machine it reads weights at about twice the
-speed of the stock kernel at one row, and stays nearly flat up to 8–16 rows (the stock kernel
-costs 2–3× more for 2–3 rows than for one), which is what verification of γ + 1 tokens needs.
+oneDNN's blocked layout: on this 2-core AVX2 machine it is faster at one token and nearly flat
+in the number of tokens, where the stock kernel costs 2–3× more for 2–3 rows than for one —
+see BENCHMARKS.md (draft_model section) for the measured curves.
 `make_linear` chooses once, when the model loads; nothing is decided per call.
 """
 
