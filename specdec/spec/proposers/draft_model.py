@@ -32,8 +32,10 @@ class DraftModelProposer:
         if gamma_max == 0:
             return Draft.empty(len(seqs))
         tokens = torch.zeros(len(seqs), gamma_max, dtype=torch.long)
-        q = torch.zeros(len(seqs), gamma_max, self.model.config.vocab_size)
         active = [i for i, n in enumerate(num_tokens) if n > 0]
+        # q is only read when verifying sampled rows; greedy rows verify by argmax match
+        sampled = any(not seqs[i].params.greedy for i in active)
+        q = torch.zeros(len(seqs), gamma_max, self.model.config.vocab_size) if sampled else None
         feed = {i: self._unseen_tokens(seqs[i]) for i in active}
         for step in range(gamma_max):
             rows = [i for i in active if num_tokens[i] > step]
@@ -43,7 +45,9 @@ class DraftModelProposer:
             probs = processed_probs(logits, [seqs[i].params for i in rows])
             drawn = sample(probs, [seqs[i].generator for i in rows]).tolist()
             for k, i in enumerate(rows):
-                tokens[i, step], q[i, step], feed[i] = drawn[k], probs[k], [drawn[k]]
+                tokens[i, step], feed[i] = drawn[k], [drawn[k]]
+                if q is not None:
+                    q[i, step] = probs[k]
         return Draft(tokens, list(num_tokens), q)
 
     def observe(self, seqs: Seq[Sequence]) -> None:
