@@ -8,6 +8,7 @@ import sys
 import time
 from collections.abc import Sequence
 
+from specdec.config import QUANTIZATION_METHODS
 from specdec.models import zoo
 
 
@@ -43,9 +44,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, default=None)
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--dtype", default="float32")
+    gen.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
+                     help="weight format of the model: auto (default: int8 on CPU), none (float weights) or int8")
     gen.add_argument("--method", default="none", help="speculation method: none (default) or draft_model")
     gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL})")
     gen.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, tokens drafted per step")
+    gen.add_argument("--draft-quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
+                     help="weight format of the draft model: auto (default: int8 on CPU), none or int8")
     gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
     gen.set_defaults(run=_generate)
 
@@ -60,6 +65,10 @@ def _parser() -> argparse.ArgumentParser:
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser
+
+
+def _format(choice: str) -> str | None:
+    return None if choice == "none" else choice
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -81,8 +90,10 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     speculative_config = None
     if args.method != "none":
-        speculative_config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens, "model": args.draft}
-    llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype, max_model_len=args.max_model_len)
+        speculative_config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+                              "model": args.draft, "quantization": _format(args.draft_quantization)}
+    llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
+              quantization=_format(args.quantization), max_model_len=args.max_model_len)
     load_s = time.perf_counter() - start
     prompt = llm.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     final = None

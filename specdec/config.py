@@ -61,12 +61,26 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
+QUANTIZATION_METHODS = ("int8",)
+# "auto": the weight format measured fastest for the model's role on its device (models/linear.py,
+# `resolve_quantization`); None: the checkpoint's float weights in `dtype`.
+AUTO_QUANTIZATION = "auto"
+
+
+def _check_quantization(value: object, owner: str) -> None:
+    _check(
+        value is None or value == AUTO_QUANTIZATION or value in QUANTIZATION_METHODS,
+        f"{owner} quantization must be None, {AUTO_QUANTIZATION!r} or one of {list(QUANTIZATION_METHODS)}, got {value!r}",
+    )
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "float32"
+    quantization: str | None = AUTO_QUANTIZATION  # the target's weight format: "auto", None (dtype) or "int8"
     max_model_len: int = 4096
     max_num_seqs: int = 8
     max_prefill_chunk: int = 512  # prompt tokens per sequence per step (chunked prefill)
@@ -79,15 +93,18 @@ class EngineConfig:
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         _check(isinstance(self.max_prefill_chunk, int) and self.max_prefill_chunk >= 1, f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk!r}")
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check_quantization(self.quantization, "model")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`: which proposer, its model, and γ = num_speculative_tokens."""
+    """vLLM's `speculative_config`: which proposer, its model and that model's weight format
+    (`quantization`, independent of the target's), and γ = num_speculative_tokens."""
 
     method: str
     num_speculative_tokens: int
     model: str | None = None
+    quantization: str | None = AUTO_QUANTIZATION
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
@@ -96,6 +113,7 @@ class SpeculativeConfig:
             and 1 <= self.num_speculative_tokens <= 64,
             f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
         )
+        _check_quantization(self.quantization, "draft")
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | Mapping | None") -> "SpeculativeConfig | None":
@@ -104,7 +122,7 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "model"}
+        known = {"method", "num_speculative_tokens", "model", "quantization"}
         unknown = sorted(set(value) - known)
         _check(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         _check("method" in value, "speculative_config needs a 'method', e.g. 'draft_model'")

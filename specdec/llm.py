@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
@@ -14,8 +15,11 @@ from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.engine import Engine
 from specdec.engine.registry import build_proposer
 from specdec.engine.sequence import Sequence
+from specdec.models import zoo
+from specdec.models.cost_curve import CostCurve, cached_cost_curve
+from specdec.models.linear import DEFAULT_TARGET_QUANTIZATION, resolve_quantization
 from specdec.models.loader import eos_token_ids, load_decoder, load_tokenizer, parse_dtype, resolve_model_dir, resolve_tokenizer_dir
-from specdec.models.zoo import DEFAULT_MODEL
+
 from specdec.outputs import RequestOutput
 
 PromptType = str | Mapping[str, Any]
@@ -26,18 +30,22 @@ class LLM:
 
     `model` is an embedded name (`specdec models list`), a local HF directory
     (config.json + safetensors) or a .gguf file. `max_model_len` is capped at the
-    model's own `max_position_embeddings`. `speculative_config` (vLLM names), e.g.
-    `{"method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4}`;
-    None decodes without speculation.
+    model's own `max_position_embeddings`. `quantization` is the target's weight format: "auto"
+    (default: int8 on a CPU with oneDNN's int8 kernels, else the float weights), None (the float
+    weights in `dtype`) or "int8"; the format used is in `llm.config.quantization`.
+    `speculative_config` (vLLM names), e.g. `{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
+    "num_speculative_tokens": 4, "quantization": "int8"}` (the draft's own format, "auto" by
+    default); None decodes without speculation.
     """
 
     def __init__(
         self,
-        model: str = DEFAULT_MODEL,
+        model: str = zoo.DEFAULT_MODEL,
         speculative_config: SpeculativeConfig | Mapping[str, Any] | None = None,
         tokenizer: str | None = None,
         skip_tokenizer_init: bool = False,
         dtype: str = "float32",
+        quantization: str | None = "auto",
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
         seed: int = 0,
@@ -49,21 +57,26 @@ class LLM:
             tokenizer=tokenizer,
             skip_tokenizer_init=skip_tokenizer_init,
             dtype=dtype,
+            quantization=quantization,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
             seed=seed,
             device=device,
         )
         torch_dtype = parse_dtype(dtype)
+        quantization = resolve_quantization(config.quantization, DEFAULT_TARGET_QUANTIZATION, torch_dtype, device)
+        config = dataclasses.replace(config, quantization=quantization)
         model_dir = resolve_model_dir(config.model)
         self.tokenizer = None
         if not skip_tokenizer_init:
             self.tokenizer = load_tokenizer(resolve_tokenizer_dir(tokenizer) if tokenizer else model_dir)
-        decoder = load_decoder(model_dir, torch_dtype, device)
+        decoder = load_decoder(model_dir, torch_dtype, device, config.quantization)
         limit = min(config.max_model_len, decoder.config.max_position_embeddings)
         self.config = dataclasses.replace(config, max_model_len=limit)
         proposer = None if spec is None else build_proposer(spec, decoder, self.config)
         self.speculative_config = spec
+        digest = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:8]
+        self._cost_key = f"{model_dir.name}-{digest}-{config.quantization or config.dtype}"
         self.engine = Engine(
             decoder,
             self.tokenizer,
@@ -76,6 +89,11 @@ class LLM:
 
     def get_tokenizer(self) -> Any:
         return self.tokenizer
+
+    def cost_curve(self, refresh: bool = False) -> CostCurve:
+        """The target's measured cost of a forward over k new tokens on this machine, in its weight
+        format: measured once (tens of seconds for the 1.5B) and cached per machine."""
+        return cached_cost_curve(self.engine.model, zoo.cache_dir(), self._cost_key, refresh)
 
     # --- generation -------------------------------------------------------------
     def generate(

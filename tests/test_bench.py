@@ -9,6 +9,7 @@ import pytest
 from specdec.bench import run_benchmark
 from specdec.bench.draft_model import predicted_speedups
 from specdec.bench.report import same_greedy_tokens, update_section
+from specdec.models.cost_curve import DEFAULT_KS
 
 
 def test_predicted_speedups_by_hand():
@@ -37,22 +38,46 @@ def test_draft_model_bench_on_tiny_models(tiny_qwen, tiny_qwen_draft, tmp_path, 
     out, doc = tmp_path / "results", tmp_path / "BENCH.md"
     code = run_benchmark("draft_model", [
         "--target", str(tiny_qwen), "--draft", str(tiny_qwen_draft), "--gammas", "1", "3", "--no-transformers",
+        "--target-formats", "fp32", "int8", "--draft-formats", "int8",
         "--repeat", "2", "--num-prompts", "2", "--max-tokens", "12", "--out", str(out), "--update", str(doc)])
     assert code == 0
     results = json.loads((out / "draft_model.json").read_text())
-    assert [r["label"] for r in results] == ["specdec plain", "specdec draft_model γ=1", "specdec draft_model γ=3"]
+    assert [r["label"] for r in results] == [
+        "specdec plain", "specdec draft_model γ=1 [fp32 + int8 draft]", "specdec draft_model γ=3 [fp32 + int8 draft]",
+        "specdec plain [int8]", "specdec draft_model γ=1 [int8 + int8 draft]", "specdec draft_model γ=3 [int8 + int8 draft]",
+    ]
     for r in results:
         assert len(r["tok_per_s"]) == 2 and all(t > 0 for t in r["tok_per_s"])
-    plain_tokens = results[0]["tokens"]
-    for r in results[1:]:
-        assert r["tokens"] == plain_tokens  # greedy identity inside the bench too
-        s = r["speculative"]
-        assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_spec_steps"])
-    costs = results[1]["costs"]
-    assert set(costs["target_ms"]) == {"1", "2", "3", "5", "9"} and costs["draft_ms"]["1"] > 0
+    for plain, spec_rows in ((results[0], results[1:3]), (results[3], results[4:])):
+        for r in spec_rows:
+            assert r["tokens"] == plain["tokens"]  # greedy identity inside the bench too, per target format
+            s = r["speculative"]
+            assert s["mean_acceptance_length"] == pytest.approx(1 + s["num_accepted_tokens"] / s["num_spec_steps"])
+    for r in (results[1], results[4]):
+        assert set(r["costs"]["target_ms"]) == {"1", "2", "3", "4", "5", "7", "9"} and r["costs"]["draft_ms"]["1"] > 0
     table = doc.read_text()
-    assert "<!-- bench:draft_model -->" in table and "| specdec draft_model γ=3 |" in table
-    assert "2/2" in table and "c = draft/target step" in table
+    assert "<!-- bench:draft_model -->" in table and "| specdec draft_model γ=3 [int8 + int8 draft] |" in table
+    assert "c = " in table and "- int8 target + int8 draft: best γ=" in table
+
+
+def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
+    out, doc = tmp_path / "results", tmp_path / "BENCH.md"
+    code = run_benchmark("cost_curve", ["--models", str(tiny_qwen), "--no-transformers", "--repeat", "1",
+                                        "--num-prompts", "2", "--max-tokens", "6", "--out", str(out), "--update", str(doc)])
+    assert code == 0
+    fp32, int8 = json.loads((out / "cost_curve.json").read_text())
+    for r in (fp32, int8):
+        assert set(r["curve"]["ms"]) == {"128", "1024"}
+        assert set(r["curve"]["ms"]["128"]) == {str(k) for k in DEFAULT_KS}
+        assert all(0 < r["roofline_ms"][c][k] for c in r["roofline_ms"] for k in r["roofline_ms"][c])
+        c = r["ceilings"]
+        assert c["read_bytes_per_s"] == max(c["readers"].values()) and c["fp32_macs_per_s"] > 0
+        assert r["prefill"]["prompt_tokens"] == 511 and r["nll"] > 0  # the held text, cut to the tiny context
+    assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3
+    assert (out / "cost_curve.png").stat().st_size > 10_000
+    table = doc.read_text()
+    assert "<!-- bench:cost_curve -->" in table and "<!-- bench:formats -->" in table
+    assert "| int8 | 1024 |" in table
 
 
 def test_plain_decode_bench_on_a_tiny_model(tiny_qwen, tmp_path):

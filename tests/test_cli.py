@@ -6,6 +6,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 
@@ -66,3 +68,14 @@ def test_generate_with_a_draft_model_prints_speculation_metrics(tiny_qwen, tiny_
     assert "mean accepted length" in capsys.readouterr().err
     assert main(args + ["--method", "eagle9"]) == 2
     assert "unknown speculative method 'eagle9'" in capsys.readouterr().err
+
+
+def test_generate_with_int8_weights_for_target_and_draft(tiny_qwen, tiny_qwen_draft, capsys):
+    args = ["generate", "def f(x):", "--model", str(tiny_qwen), "--max-tokens", "10", "--max-model-len", "64",
+            "--quantization", "int8", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--method", "draft_model", "--draft", str(tiny_qwen_draft), "--draft-quantization", "int8"]) == 0
+    assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
+    with pytest.raises(SystemExit):
+        main(args + ["--quantization", "int3"])

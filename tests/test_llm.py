@@ -30,13 +30,13 @@ def assert_engine_idle(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def llm(tiny_qwen) -> LLM:
-    return LLM(str(tiny_qwen), max_model_len=256, max_num_seqs=4)
+    return LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=4)
 
 
 @pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_llama"])
 def test_greedy_matches_transformers_generate_in_a_batch(fixture, request):
     model_dir = request.getfixturevalue(fixture)
-    llm = LLM(str(model_dir), max_model_len=256, max_num_seqs=3)
+    llm = LLM(str(model_dir), quantization=None, max_model_len=256, max_num_seqs=3)  # float32, as transformers
     prompts = ["def add(a, b):", "x", "The quick brown fox jumps over"]
     outputs = llm.generate(prompts, GREEDY)
     for prompt, out in zip(prompts, outputs):

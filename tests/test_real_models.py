@@ -19,7 +19,7 @@ LOGITS_ATOL = 2e-3
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM(MODEL, max_model_len=1024)
+    return LLM(MODEL, quantization=None, max_model_len=1024)  # float32, compared with transformers
 
 
 @pytest.fixture(scope="module")

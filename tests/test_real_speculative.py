@@ -10,14 +10,16 @@ from specdec.bench.dataset import load_prompts, render
 pytestmark = pytest.mark.slow
 
 
-def test_greedy_speculation_matches_plain_on_the_embedded_pair():
+@pytest.mark.parametrize("quantization", ["auto", None], ids=["default-formats", "float32"])
+def test_greedy_speculation_matches_plain_on_the_embedded_pair(quantization):
     params = SamplingParams(temperature=0, max_tokens=128)
-    llm = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=3)
+    llm = LLM("qwen2.5-coder-1.5b", quantization=quantization, max_model_len=1024, max_num_seqs=3)
+    assert llm.config.quantization == ("int8" if quantization == "auto" else None)
     prompts = [{"prompt_token_ids": render(p, llm.get_tokenizer())} for p in load_prompts("code")[:3]]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm
-    spec = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=3, speculative_config={
-        "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4})
+    spec = LLM("qwen2.5-coder-1.5b", quantization=quantization, max_model_len=1024, max_num_seqs=3, speculative_config={
+        "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, "quantization": quantization})
     outputs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == plain
     for out in outputs:

@@ -21,9 +21,11 @@ SMALL_VOCAB = 16
 NUM_SAMPLES = 20_000
 
 
+# float32 target and draft throughout: the exact distributions come from transformers' float32 forward
+# (int8 speculation: test_quantization.py)
 def spec_llm(target, draft, gamma, **kw) -> LLM:
-    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma}
-    return LLM(str(target), speculative_config=config, **kw)
+    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma, "quantization": None}
+    return LLM(str(target), speculative_config=config, quantization=None, **kw)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -37,7 +39,7 @@ def assert_idle(llm: LLM) -> None:
 
 @pytest.fixture(scope="module")
 def plain_greedy(tiny_qwen):
-    llm = LLM(str(tiny_qwen), max_model_len=128, max_num_seqs=3)
+    llm = LLM(str(tiny_qwen), quantization=None, max_model_len=128, max_num_seqs=3)
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 

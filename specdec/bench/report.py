@@ -33,13 +33,20 @@ def update_section(path: Path, name: str, body: str) -> None:
 
 
 def environment_line() -> str:
+    import os
     import platform
     import time
 
     import torch
 
     cpu = platform.processor() or platform.machine()
-    return f"torch {torch.__version__}, {cpu}, {torch.get_num_threads()} threads available, {time.strftime('%Y-%m-%d')}."
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        names = [line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")]
+        cpu = names[0] if names else cpu
+    isa = torch.backends.cpu.get_cpu_capability()
+    return (f"torch {torch.__version__}, {cpu} ({os.cpu_count()} cores, torch kernels: {isa}), "
+            f"{torch.get_num_threads()} threads available, {time.strftime('%Y-%m-%d')}.")
 
 
 def same_greedy_tokens(a: list[list[int]], b: list[list[int]], eos: set[int]) -> str:

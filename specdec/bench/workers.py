@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import subprocess
 import sys
 import time
@@ -24,13 +23,14 @@ from specdec.bench.dataset import load_prompts, render
 
 @dataclass(frozen=True)
 class WorkerSpec:
-    engine: str  # "specdec" | "transformers"
+    engine: str  # "specdec" | "transformers" | "runner" (the cost_curve bench's measurements)
     model: str
     dataset: str = "code"
     num_prompts: int = 6
     max_tokens: int = 64
     threads: int = 2
     repeat: int = 3
+    quantization: str | None = None  # specdec: the target's weight format
     speculative_config: dict | None = None  # specdec
     assistant_model: str | None = None  # transformers assisted generation
     assistant_schedule: str | None = None  # "constant" | None (transformers' default heuristic)
@@ -40,12 +40,14 @@ class WorkerSpec:
     @property
     def label(self) -> str:
         if self.speculative_config:
-            return f"specdec {self.speculative_config['method']} γ={self.speculative_config['num_speculative_tokens']}"
+            config = self.speculative_config
+            formats = f" [{self.quantization or 'fp32'} + {config.get('quantization') or 'fp32'} draft]" if self.quantization or config.get("quantization") else ""
+            return f"specdec {config['method']} γ={config['num_speculative_tokens']}{formats}"
         if self.assistant_model:
             schedule = self.assistant_schedule or "heuristic"
             gamma = f" γ={self.num_assistant_tokens}" if self.num_assistant_tokens else ""
             return f"transformers assisted ({schedule}{gamma})"
-        return f"{self.engine} plain"
+        return f"{self.engine} plain" + (f" [{self.quantization}]" if self.quantization else "")
 
 
 def add_run_arguments(parser: argparse.ArgumentParser, name: str) -> None:
@@ -94,22 +96,12 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(spec.threads)
-    from specdec import LLM, SamplingParams
+    from specdec import LLM
     from specdec.metrics import SpecStats
 
-    llm = LLM(spec.model, speculative_config=spec.speculative_config, max_num_seqs=1)
-    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
-    ttft, tpot, stats = [], [], []
-
-    def generate(ids: list[int]) -> list[int]:
-        [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
-        ttft.append(out.metrics.ttft_s)
-        tpot.append(out.metrics.tpot_s)
-        stats.append(out.metrics.speculative_decoding)
-        return out.outputs[0].token_ids
-
+    llm = LLM(spec.model, speculative_config=spec.speculative_config, quantization=spec.quantization, max_num_seqs=1)
+    result, ttft, tpot, stats = specdec_passes(llm, spec)
     prompts = [render(p, llm.get_tokenizer()) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
-    result = _timed_passes(spec, generate, prompts)
     spec_summary = None
     if spec.speculative_config:
         total = SpecStats()
@@ -123,31 +115,35 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
     }
 
 
-def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 5, 9), reps: int = 5) -> dict:
+def specdec_passes(llm: Any, spec: WorkerSpec) -> tuple[dict, list[float], list[float], list[dict]]:
+    """Timed greedy passes over the dataset; also TTFT, TPOT and speculation stats per request."""
+    from specdec import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
+    ttft, tpot, stats = [], [], []
+
+    def generate(ids: list[int]) -> list[int]:
+        [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
+        ttft.append(out.metrics.ttft_s)
+        tpot.append(out.metrics.tpot_s)
+        stats.append(out.metrics.speculative_decoding)
+        return out.outputs[0].token_ids
+
+    prompts = [render(p, llm.get_tokenizer()) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+    return _timed_passes(spec, generate, prompts), ttft, tpot, stats
+
+
+def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 4, 5, 7, 9)) -> dict:
     """Median ms of one forward over k new tokens after a prompt-sized context, target and draft."""
-    import torch
+    from specdec.models.cost_curve import measure_cost_curve
 
-    from specdec.models.batch import ForwardBatch, SequenceInput
-
-    context = max(prompts, key=len)
-
-    def cost(model: Any, k: int) -> float:
-        cache = model.new_kv_cache(1, len(context) + max(ks) + 1)
-        slot = cache.allocate()
-        model.forward(ForwardBatch.build([SequenceInput(slot, context)], [0]), cache)
-        times = []
-        for _ in range(reps):
-            start = time.perf_counter()
-            model.forward(ForwardBatch.build([SequenceInput(slot, list(range(100, 100 + k)))], [len(context)]), cache)
-            times.append((time.perf_counter() - start) * 1000)
-            cache.truncate(slot, len(context))
-        return statistics.median(times)
-
-    with torch.inference_mode():
-        target = {k: cost(llm.engine.model, k) for k in ks}
-        proposer = llm.engine.proposer
-        draft = {1: cost(proposer.model, 1)} if proposer is not None and hasattr(proposer, "model") else None
-    return {"context_tokens": len(context), "target_ms": target, "draft_ms": draft}
+    context = max(len(p) for p in prompts)
+    target = measure_cost_curve(llm.engine.model, ks, (context,)).ms[context]
+    proposer = llm.engine.proposer
+    draft = None
+    if proposer is not None and hasattr(proposer, "model"):
+        draft = measure_cost_curve(proposer.model, (1,), (context,)).ms[context]
+    return {"context_tokens": context, "target_ms": target, "draft_ms": draft}
 
 
 def _transformers(spec: WorkerSpec) -> dict[str, Any]:
@@ -185,7 +181,15 @@ def _transformers(spec: WorkerSpec) -> dict[str, Any]:
     return {**_timed_passes(spec, generate, prompts), "version": version("transformers")}
 
 
-_ENGINES: dict[str, Callable[[WorkerSpec], dict[str, Any]]] = {"specdec": _specdec, "transformers": _transformers}
+def _runner(spec: WorkerSpec) -> dict[str, Any]:
+    from specdec.bench.cost_curve import runner_worker
+
+    return runner_worker(spec)
+
+
+_ENGINES: dict[str, Callable[[WorkerSpec], dict[str, Any]]] = {
+    "specdec": _specdec, "transformers": _transformers, "runner": _runner,
+}
 
 if __name__ == "__main__":
     worker_spec = WorkerSpec(**json.loads(sys.argv[1]))

@@ -105,7 +105,11 @@ class Engine:
         pending = [s.pending_token_ids(self.cache.length(s.slot), self.config.max_prefill_chunk) for s in running]
         completing = [s for s, tokens in zip(running, pending) if self.cache.length(s.slot) + len(tokens) == s.num_tokens]
         start = time.perf_counter()
-        drafts = self._propose(completing)
+        # a speculative step feeds its pending tokens and the draft in one forward; it drafts only where that
+        # stays within the rows the model computes exactly as one-token steps (a long last prompt chunk runs
+        # plain, as it would without speculation), so greedy output is identical with and without drafts
+        room = {s: self.model.row_invariant_tokens - len(tokens) for s, tokens in zip(running, pending)}
+        drafts = self._propose(completing, room)
         draft_time = time.perf_counter() - start
 
         inputs = []
@@ -142,11 +146,13 @@ class Engine:
             self.proposer.observe([s for s in ready if not s.is_finished])
         return ready
 
-    def _propose(self, seqs: list[Sequence]) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
+    def _propose(
+        self, seqs: list[Sequence], room: dict[Sequence, int]
+    ) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
         """Each sequence's draft tokens and q (None for deterministic drafts); none without a proposer."""
         if self.proposer is None or not seqs:
             return {}
-        gammas = [self._gamma(s) for s in seqs]
+        gammas = [min(self._gamma(s), max(0, room[s])) for s in seqs]
         if not any(gammas):
             return {}
         draft = self.proposer.propose(seqs, gammas)

@@ -10,13 +10,16 @@ from specdec.spec.proposers.base import Proposer
 
 
 def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, resolve_quantization
     from specdec.models.loader import load_decoder, parse_dtype, resolve_model_dir
     from specdec.spec.proposers.draft_model import DraftModelProposer
 
     from specdec.models.zoo import DEFAULT_DRAFT_MODEL
 
     name = spec.model or DEFAULT_DRAFT_MODEL  # the embedded pair's draft
-    draft = load_decoder(resolve_model_dir(name), parse_dtype(engine.dtype), engine.device)
+    dtype = parse_dtype(engine.dtype)
+    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, dtype, engine.device)
+    draft = load_decoder(resolve_model_dir(name), dtype, engine.device, quantization)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"draft model {name!r} has vocabulary size {draft.config.vocab_size}, the target "

@@ -19,6 +19,7 @@ from specdec.models.batch import ForwardBatch, ForwardOutput
 from specdec.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+ROW_INVARIANT_TOKENS = 64
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class Decoder:
         self.attention_scaling = attention_scaling
         self.dtype = embed.dtype
         self.device = embed.device
+        # a sequence feeding at most this many causal tokens in a forward gets each token's row exactly as if
+        # it were fed alone (the engine keeps speculative steps within it)
+        self.row_invariant_tokens = ROW_INVARIANT_TOKENS
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -120,9 +124,9 @@ class Decoder:
         c = self.config
         for slot, n in zip(batch.slots, batch.num_new):
             cache.check_room(slot, n)
-        x = F.embedding(batch.token_ids, self.embed)
-        cos, sin = self._rope(batch.positions)
-        masks = [self._mask(m, cached, n) for m, cached, n in zip(batch.masks, batch.cache_lens, batch.num_new)]
+        x = F.embedding(batch.token_ids.to(self.device), self.embed)
+        cos, sin = self._rope(batch.positions.to(self.device))
+        masks = [None if m is None else self._mask(m) for m in batch.masks]
         layer_hidden: dict[int, torch.Tensor] = {}
         for index, layer in enumerate(self.layers):
             h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
@@ -135,19 +139,17 @@ class Decoder:
         for slot, n in zip(batch.slots, batch.num_new):
             cache.advance(slot, n)
         hidden = _rms_norm(x, self.final_norm, c.rms_norm_eps)
-        rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows]
-        return ForwardOutput(logits=self.lm_head(rows).float(), hidden=hidden, layer_hidden=layer_hidden)
+        rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows.to(self.device)]
+        # logits go to the CPU, where sampling and verification run with per-request generators
+        logits = self.lm_head(rows).float().cpu()
+        return ForwardOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
 
-    def _mask(self, mask: torch.Tensor | None, cached: int, n: int) -> torch.Tensor | None:
-        if mask is None:
-            if n == 1:
-                return None  # one new token sees everything cached
-            mask = torch.ones(n, cached + n, dtype=torch.bool, device=self.device).tril(diagonal=cached)
+    def _mask(self, mask: torch.Tensor) -> torch.Tensor:
         group = self.config.num_heads // self.config.num_kv_heads
         # queries are laid out [kv_head, group * n]: the mask repeats per query head of the group
         return mask.to(self.device).repeat(group, 1)
@@ -164,10 +166,10 @@ class Decoder:
     ) -> torch.Tensor:
         c = self.config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        q, k, v = qkv.split((q_size, kv_size, kv_size), dim=-1)
-        q = _apply_rope(q.view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = _apply_rope(k.view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = v.view(-1, c.num_kv_heads, c.head_dim)
+        # q and k heads side by side get their rotation in one pass
+        qk = _apply_rope(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
         group = c.num_heads // c.num_kv_heads
         outputs, start = [], 0
         for slot, cached, n, mask in zip(batch.slots, batch.cache_lens, batch.num_new, masks):
@@ -176,15 +178,33 @@ class Decoder:
             keys, values = cache.view(layer, slot, cached + n)
             # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
             queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
-            out = F.scaled_dot_product_attention(
-                queries.reshape(c.num_kv_heads, group * n, c.head_dim), keys, values, attn_mask=mask
-            )
+            if mask is None and n <= self.row_invariant_tokens:
+                # Causal decode/verify sizes: each token attends alone to exactly its own prefix, so its result
+                # is bitwise the one a one-token step would give, whatever else shares the forward (batch
+                # invariance: with exact int8 sums this makes plain and speculative greedy decoding
+                # token-identical). Prefill chunks take one causal kernel call instead (each row here re-reads
+                # the KV cache). 4-D inputs take PyTorch's fused CPU attention kernel.
+                rows = [
+                    F.scaled_dot_product_attention(
+                        queries[:, :, i][None].contiguous(), keys[None, :, : cached + i + 1], values[None, :, : cached + i + 1]
+                    )
+                    for i in range(n)
+                ]
+                out = torch.stack(rows, dim=3)  # [1, kv_heads, group, n, head_dim]
+            else:
+                if mask is None:
+                    mask = self._mask(torch.ones(n, cached + n, dtype=torch.bool).tril(diagonal=cached))
+                out = F.scaled_dot_product_attention(
+                    queries.reshape(1, c.num_kv_heads, group * n, c.head_dim), keys[None], values[None], attn_mask=mask
+                )
             outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32:
+        return F.rms_norm(x, weight.shape, weight, eps)  # one fused op: the same float32 formula
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)

@@ -1,26 +1,40 @@
 """The linear-kernel layer: a weight prepared once at load, applied many times.
 
-`DenseLinear` is plain `F.linear`. `PrepackedLinear` reorders a float32 CPU weight once into
-oneDNN's blocked layout: on this 2-core AVX2 machine it is faster at one token and nearly flat
-in the number of tokens, where the stock kernel costs 2–3× more for 2–3 rows than for one —
-see BENCHMARKS.md (draft_model section) for the measured curves.
-`make_linear` chooses once, when the model loads; nothing is decided per call.
+`DenseLinear` is plain `F.linear` (any device and dtype). `PrepackedLinear` reorders a float32
+CPU weight once into oneDNN's blocked layout: one row costs what the weight takes to read and
+rows up to ~8 cost little more, where the stock kernel costs 2–3× more for 2–3 rows than for one.
+`Int8Linear` stores int8 weights (one scale per output channel) and quantizes activations per
+row, so sums are exact int32 and a row's result never depends on the other rows of the forward
+(batch invariance, tested bitwise). Measurements behind the choices: BENCHMARKS.md (cost_curve).
+`linear_kernel` chooses once, when the model loads; nothing is decided per call.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
+
+from specdec.config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
+
+# The formats "auto" picks on a CPU with oneDNN's int8 kernels, from end-to-end measurements
+# (BENCHMARKS.md: formats and draft_model sections): int8 makes plain decoding ~3× faster than
+# float32 at +0.4–0.8% NLL, and the fastest speculative configuration is an int8 target with an
+# int8 draft. Elsewhere (CUDA, non-float32 dtypes) "auto" keeps the float weights.
+DEFAULT_TARGET_QUANTIZATION = "int8"
+DEFAULT_DRAFT_QUANTIZATION = "int8"
+
+
+# Every kernel exposes in_features, out_features and weight_bytes (what a forward reads), for the roofline.
 
 
 class DenseLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
-
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[0]
+        self.out_features, self.in_features = weight.shape
+        self.weight_bytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -32,22 +46,87 @@ class PrepackedLinear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
-        self._out_features = weight.shape[0]
-
-    @property
-    def out_features(self) -> int:
-        return self._out_features
+        self.out_features, self.in_features = weight.shape
+        self.weight_bytes = weight.numel() * weight.element_size()
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-Linear = DenseLinear | PrepackedLinear
+class Int8Linear:
+    """int8 weights with per-output-channel scales; activations quantized to int8 per row.
+
+    y[i, n] = s_x[i] · s_w[n] · Σ_k round(x[i, k] / s_x[i]) · W8[n, k] + b[n], the sum exact in
+    int32 inside oneDNN's VNNI/AVX2 int8 GEMM (weights packed once). Symmetric scales: s = max|·| / 127.
+    """
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        weight = weight.float()
+        scale = (weight.abs().amax(dim=1) / 127).clamp_(min=torch.finfo(torch.float32).tiny)
+        self._pack(torch.round(weight / scale[:, None]).to(torch.int8), scale, bias)
+
+    @classmethod
+    def from_quantized(cls, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """From int8 weights [out, in] and their per-output-channel float scales."""
+        linear = cls.__new__(cls)
+        linear._pack(quantized, scale.float(), bias)
+        return linear
+
+    def _pack(self, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.scale = scale
+        self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
+        self.zero_points = torch.zeros(quantized.shape[0], dtype=torch.int64)
+        self.bias = None if bias is None else bias.float()
+        self.out_features, self.in_features = quantized.shape
+        self.weight_bytes = quantized.numel() + 4 * scale.numel()
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(127)
+        # uint8 with zero point 128: oneDNN's fast path (int8 activations take a reference kernel)
+        quantized = torch.round(x / row_scale).add_(128).to(torch.uint8)
+        y = torch.ops.onednn.qlinear_pointwise(
+            quantized, 1.0, 128, self.packed, self.scale, self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
+        ).mul_(row_scale)
+        return y if self.bias is None else y.add_(self.bias)
+
+
+Linear = DenseLinear | PrepackedLinear | Int8Linear
+LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:
     return torch.device(device).type == "cpu" and dtype == torch.float32 and torch.backends.mkldnn.is_available()
 
 
-def make_linear(weight: torch.Tensor, bias: torch.Tensor | None, prepack: bool) -> Linear:
-    return PrepackedLinear(weight, bias) if prepack else DenseLinear(weight, bias)
+def can_run_int8(device: torch.device | str) -> bool:
+    return (
+        torch.device(device).type == "cpu"
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.onednn, "qlinear_prepack")
+    )
+
+
+def resolve_quantization(quantization: str | None, default: str, dtype: torch.dtype, device: str) -> str | None:
+    """"auto" → `default` where int8 runs (float32 on a CPU with oneDNN), else None; others unchanged."""
+    if quantization != AUTO_QUANTIZATION:
+        return quantization
+    return default if can_run_int8(device) and dtype == torch.float32 else None
+
+
+def linear_kernel(
+    dtype: torch.dtype, device: torch.device | str, quantization: str | None = None, prepack: bool | None = None
+) -> LinearKernel:
+    """The kernel every linear layer of a model will use, chosen once from its format.
+
+    quantization None keeps the weights in `dtype` (prepacked for oneDNN where it can be, unless
+    `prepack=False`); "int8" stores int8 weights and computes in float32 (CPU only).
+    """
+    if quantization is None:
+        return PrepackedLinear if (can_prepack(dtype, device) if prepack is None else prepack) else DenseLinear
+    if quantization not in QUANTIZATION_METHODS:
+        raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)} or None")
+    if not can_run_int8(device):
+        raise ValueError(f"int8 quantization needs a CPU with oneDNN's int8 kernels; device {device!r} has none")
+    if dtype != torch.float32:
+        raise ValueError(f"int8 quantization computes in float32; got dtype {dtype}")
+    return Int8Linear

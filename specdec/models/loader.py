@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from specdec.models import zoo
 from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, rope_inverse_frequencies
-from specdec.models.linear import Linear, can_prepack, make_linear
+from specdec.models.linear import linear_kernel
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -68,16 +68,17 @@ def load_hf_config(model_dir: Path) -> Any:
 
 
 def load_decoder(
-    model_dir: Path, dtype: torch.dtype = torch.float32, device: str = "cpu", prepack: bool | None = None
+    model_dir: Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    quantization: str | None = None,
+    prepack: bool | None = None,
 ) -> Decoder:
-    """Load the native decoder. `prepack` (default: whenever supported) reorders float32 CPU weights
-    once for oneDNN; False keeps plain `F.linear`."""
+    """Load the native decoder with every linear layer in one format (see `linear_kernel`):
+    `quantization` None keeps `dtype` weights (float32 CPU weights prepacked for oneDNN unless
+    `prepack=False`), "int8" quantizes them once here. The embedding stays in `dtype`."""
     hf_config = load_hf_config(model_dir)
-    if prepack is None:
-        prepack = can_prepack(dtype, device)
-
-    def linear(weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
-        return make_linear(weight, bias, prepack)
+    linear = linear_kernel(dtype, device, quantization, prepack)
 
     config = DecoderConfig.from_hf(hf_config)
     weights = _read_safetensors(model_dir)

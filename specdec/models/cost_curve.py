@@ -1,0 +1,141 @@
+"""The measured cost of a forward over k new tokens, v(k), kept per machine for the engine.
+
+Speculation pays only where verifying γ+1 tokens costs little more than one; how much more is
+a property of the machine, the model and its weight format, so it is measured (once, tens of
+seconds) and cached under `$SPECDEC_CACHE/cost/<machine>/`, where the adaptive controller reads it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.models.batch import ForwardBatch, SequenceInput
+from specdec.models.decoder import Decoder
+
+DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+DEFAULT_CONTEXTS = (128, 1024)
+
+
+@dataclass(frozen=True)
+class CostCurve:
+    """Median ms per forward: `ms[context][k]` (keys as measured), with (min, max) spreads."""
+
+    ms: dict[int, dict[int, float]]
+    spread: dict[int, dict[int, tuple[float, float]]]
+
+    @property
+    def contexts(self) -> list[int]:
+        return sorted(self.ms)
+
+    def forward_ms(self, k: int, context: int) -> float:
+        """Interpolated linearly in k and in context (clamped to the measured contexts)."""
+        if k < 1:
+            raise ValueError(f"a forward has at least one new token, got k={k}")
+        contexts = self.contexts
+        context = min(max(context, contexts[0]), contexts[-1])
+        upper = next(c for c in contexts if c >= context)
+        lower = max((c for c in contexts if c <= context), default=upper)
+        at_lower, at_upper = _interpolate(self.ms[lower], k), _interpolate(self.ms[upper], k)
+        if upper == lower:
+            return at_lower
+        return at_lower + (at_upper - at_lower) * (context - lower) / (upper - lower)
+
+    def relative(self, k: int, context: int) -> float:
+        """v(k) = cost(k) / cost(1) at that context."""
+        return self.forward_ms(k, context) / self.forward_ms(1, context)
+
+    def to_json(self) -> dict:
+        return {"ms": self.ms, "spread": self.spread}
+
+    @classmethod
+    def from_json(cls, data: dict) -> "CostCurve":
+        return cls(
+            ms={int(c): {int(k): float(v) for k, v in row.items()} for c, row in data["ms"].items()},
+            spread={int(c): {int(k): tuple(v) for k, v in row.items()} for c, row in data["spread"].items()},
+        )
+
+
+def _interpolate(row: dict[int, float], k: int) -> float:
+    ks = sorted(row)
+    if k in row:
+        return row[k]
+    if k > ks[-1]:  # beyond the sweep: extend the last segment's slope
+        a, b = ks[-2], ks[-1]
+        return row[b] + (row[b] - row[a]) * (k - b) / (b - a)
+    b = next(x for x in ks if x > k)
+    a = max(x for x in ks if x < k)
+    return row[a] + (row[b] - row[a]) * (k - a) / (b - a)
+
+
+@torch.inference_mode()
+def measure_cost_curve(
+    model: Decoder, ks: tuple[int, ...] = DEFAULT_KS, contexts: tuple[int, ...] = DEFAULT_CONTEXTS, repeats: int = 5
+) -> CostCurve:
+    """Time forwards over k new tokens (logits at every row, as verification needs) after a cached
+    context. Each round sweeps every (context, k) in turn, so that machine noise (memory bandwidth
+    here drifts by tens of percent over minutes) spreads over the whole curve, not one point."""
+    g = torch.Generator().manual_seed(0)
+    cache = model.new_kv_cache(len(contexts), max(contexts) + max(ks))
+    slots = {}
+    for context in contexts:
+        slots[context] = slot = cache.allocate()
+        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
+        for start in range(0, context, 512):
+            chunk = prompt[start : start + 512]
+            model.forward(ForwardBatch.build([SequenceInput(slot, chunk, num_logits=1)], [start]), cache)
+    times: dict[int, dict[int, list[float]]] = {c: {k: [] for k in ks} for c in contexts}
+    for round_ in range(repeats + 1):  # round 0 warms up each shape
+        for context in contexts:
+            for k in ks:
+                tokens = torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist()
+                batch = ForwardBatch.build([SequenceInput(slots[context], tokens, num_logits=k)], [context])
+                start = time.perf_counter()
+                model.forward(batch, cache)
+                elapsed = (time.perf_counter() - start) * 1000
+                cache.truncate(slots[context], context)
+                if round_:
+                    times[context][k].append(elapsed)
+    ms = {c: {k: statistics.median(t) for k, t in row.items()} for c, row in times.items()}
+    spread = {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in times.items()}
+    return CostCurve(ms, spread)
+
+
+def machine_fingerprint() -> str:
+    """What the curve depends on besides the model: CPU, threads, torch build."""
+    cpu = platform.processor() or platform.machine()
+    cpuinfo = Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
+    key = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    return hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+def cost_curve_path(cache_dir: Path, model_key: str) -> Path:
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_key)
+    return cache_dir / "cost" / machine_fingerprint() / f"{safe}.json"
+
+
+def save_cost_curve(path: Path, curve: CostCurve) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(curve.to_json()))
+    tmp.replace(path)
+
+
+def cached_cost_curve(model: Decoder, cache_dir: Path, model_key: str, refresh: bool = False) -> CostCurve:
+    """The curve for this model and format on this machine: read from the cache, or measured once."""
+    path = cost_curve_path(cache_dir, model_key)
+    if path.exists() and not refresh:
+        return CostCurve.from_json(json.loads(path.read_text()))
+    curve = measure_cost_curve(model)
+    save_cost_curve(path, curve)
+    return curve

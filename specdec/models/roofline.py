@@ -1,0 +1,122 @@
+"""What a forward over k new tokens cannot beat on this machine.
+
+roofline(k) = max(bytes read / read bandwidth, multiply-accumulates / MAC rate), with the bytes
+(weights in their stored format + the KV cache read by attention) and MACs counted from the
+model, and both ceilings measured here (`measure_ceilings`) rather than taken from a spec sheet.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from specdec.models.decoder import Decoder
+from specdec.models.linear import Int8Linear, Linear, can_run_int8
+
+BANDWIDTH_BUFFER_BYTES = 512 * 2**20  # 16× this machine's L3: every read comes from memory
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured: bytes/s read from memory and multiply-accumulates/s for fp32 and int8 GEMMs."""
+
+    read_bytes_per_s: float
+    fp32_macs_per_s: float
+    int8_macs_per_s: float | None
+    readers: dict[str, float]  # bytes/s of each reader tried; the fastest sets the ceiling
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    def best(self, other: "Ceilings") -> "Ceilings":
+        """Each ceiling at the higher of two measurements (what the machine has shown it can do)."""
+        readers = {name: max(v, other.readers.get(name, 0.0)) for name, v in self.readers.items()}
+        int8 = max(self.int8_macs_per_s or 0.0, other.int8_macs_per_s or 0.0) or None
+        return Ceilings(max(readers.values()), max(self.fp32_macs_per_s, other.fp32_macs_per_s), int8, readers)
+
+
+@dataclass(frozen=True)
+class ForwardWork:
+    """Bytes and MACs of one forward over k new tokens after `context` cached ones."""
+
+    weight_bytes: int
+    linear_macs_per_token: int
+    int8: bool
+    kv_bytes_per_position: int  # K and V of every layer, read once per forward
+    attention_macs_per_position: int  # q·k and p·v of every layer, per (query, key) pair
+
+    @classmethod
+    def of(cls, decoder: Decoder) -> "ForwardWork":
+        c = decoder.config
+        linears: list[Linear] = [decoder.lm_head]
+        for layer in decoder.layers:
+            linears += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        element = torch.tensor([], dtype=decoder.dtype).element_size()
+        return cls(
+            weight_bytes=sum(lin.weight_bytes for lin in linears),
+            linear_macs_per_token=sum(lin.in_features * lin.out_features for lin in linears),
+            int8=isinstance(decoder.lm_head, Int8Linear),
+            kv_bytes_per_position=2 * c.num_layers * c.num_kv_heads * c.head_dim * element,
+            attention_macs_per_position=2 * c.num_layers * c.num_heads * c.head_dim,
+        )
+
+    def roofline_ms(self, k: int, context: int, ceilings: Ceilings) -> float:
+        keys = context + k
+        read = self.weight_bytes + self.kv_bytes_per_position * keys
+        linear_rate = ceilings.int8_macs_per_s if self.int8 and ceilings.int8_macs_per_s else ceilings.fp32_macs_per_s
+        compute = k * self.linear_macs_per_token / linear_rate
+        compute += k * keys * self.attention_macs_per_position / ceilings.fp32_macs_per_s
+        return 1000 * max(read / ceilings.read_bytes_per_s, compute)
+
+
+def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def _fp32_readers(row: torch.Tensor, repeats: int) -> dict[str, float]:
+    flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=torch.Generator().manual_seed(1))
+    packed = torch.ops.mkldnn._reorder_linear_weight(flat.view(-1, row.shape[1]))
+    gemv = lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")  # noqa: E731
+    return {
+        "fp32 sum": BANDWIDTH_BUFFER_BYTES / _median_seconds(flat.sum, repeats),
+        "fp32 GEMV (oneDNN)": BANDWIDTH_BUFFER_BYTES / _median_seconds(gemv, repeats),
+    }
+
+
+def measure_ceilings(repeats: int = 5) -> Ceilings:
+    """Read bandwidth = the fastest of several readers streaming a buffer far larger than the
+    caches (a reduction, and the fp32 and int8 matrix-vector kernels the model itself uses);
+    MAC rates = large GEMMs through the same kernels. Takes ~5 s here."""
+    g = torch.Generator().manual_seed(0)
+    readers: dict[str, float] = {}
+    row = torch.randn(1, 4096, generator=g)
+    readers.update(_fp32_readers(row, repeats))  # its 1 GiB of buffers are freed on return
+    square = torch.randn(4096, 4096, generator=g)
+    rows = torch.randn(512, 4096, generator=g)
+    square_packed = torch.ops.mkldnn._reorder_linear_weight(square)
+    fp32_rate = max(
+        512 * 4096 * 4096 / _median_seconds(
+            lambda: torch.ops.mkldnn._linear_pointwise(rows, square_packed, None, "none", [], ""), repeats
+        ),
+        2048**3 / _median_seconds(lambda: square[:2048, :2048] @ square[2048:, 2048:], repeats),
+    )
+    int8_rate = None
+    if can_run_int8("cpu"):
+        weights = torch.randint(-127, 128, (BANDWIDTH_BUFFER_BYTES // 4096, 4096), generator=g, dtype=torch.int8)
+        big = Int8Linear.from_quantized(weights, torch.full((weights.shape[0],), 1e-3))
+        del weights
+        readers["int8 GEMV (oneDNN)"] = BANDWIDTH_BUFFER_BYTES / _median_seconds(lambda: big(row), repeats)
+        del big
+        int8_square = Int8Linear(square)
+        int8_rate = 512 * 4096 * 4096 / _median_seconds(lambda: int8_square(rows), repeats)
+    return Ceilings(max(readers.values()), fp32_rate, int8_rate, readers)

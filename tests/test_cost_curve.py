@@ -1,0 +1,69 @@
+"""The cost curve and roofline: pure interpolation, per-machine cache, work accounting."""
+
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM
+from specdec.models import cost_curve as cost_module
+from specdec.models.cost_curve import CostCurve, cost_curve_path
+from specdec.models.loader import load_decoder
+from specdec.models.roofline import Ceilings, ForwardWork
+
+
+def curve() -> CostCurve:
+    ms = {128: {1: 10.0, 2: 11.0, 4: 14.0, 8: 30.0}, 1024: {1: 20.0, 2: 22.0, 4: 28.0, 8: 60.0}}
+    return CostCurve(ms, {c: {k: (v, v) for k, v in row.items()} for c, row in ms.items()})
+
+
+def test_interpolation_in_k_and_context():
+    c = curve()
+    assert c.forward_ms(2, 128) == 11.0
+    assert c.forward_ms(3, 128) == pytest.approx(12.5)
+    assert c.forward_ms(12, 128) == pytest.approx(30.0 + 16 / 4 * 4)  # last slope extended
+    assert c.forward_ms(1, 576) == pytest.approx(15.0)  # halfway between contexts
+    assert c.forward_ms(1, 50) == 10.0 and c.forward_ms(1, 4096) == 20.0  # clamped
+    assert c.relative(4, 128) == pytest.approx(1.4)
+    with pytest.raises(ValueError):
+        c.forward_ms(0, 128)
+    assert CostCurve.from_json(c.to_json()) == c
+
+
+def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
+    calls = []
+    real = cost_module.measure_cost_curve
+
+    def counting(model, *args, **kwargs):
+        calls.append(model)
+        return real(model, ks=(1, 2, 4), contexts=(16, 32), repeats=1)
+
+    monkeypatch.setattr(cost_module, "measure_cost_curve", counting)
+    llm = LLM(str(tiny_qwen), quantization=None, max_model_len=128)
+    first = llm.cost_curve()
+    assert sorted(first.ms) == [16, 32] and sorted(first.ms[16]) == [1, 2, 4]
+    assert all(v > 0 for row in first.ms.values() for v in row.values())
+    again = LLM(str(tiny_qwen), quantization=None, max_model_len=128).cost_curve()
+    assert again == first and len(calls) == 1
+    int8 = LLM(str(tiny_qwen), max_model_len=128, quantization="int8").cost_curve()  # another format: measured
+    assert len(calls) == 2 and int8 != first
+    llm.cost_curve(refresh=True)
+    assert len(calls) == 3
+
+
+def test_work_accounting_and_roofline(tiny_qwen):
+    f32, int8 = ForwardWork.of(load_decoder(tiny_qwen)), ForwardWork.of(load_decoder(tiny_qwen, quantization="int8"))
+    assert f32.linear_macs_per_token == int8.linear_macs_per_token
+    assert not f32.int8 and int8.int8
+    # int8 stores one byte per weight plus a float scale per output channel
+    assert f32.weight_bytes / 4 < int8.weight_bytes < f32.weight_bytes / 3
+    ceilings = Ceilings(read_bytes_per_s=1e9, fp32_macs_per_s=1e9, int8_macs_per_s=4e9, readers={})
+    read_bound = 1000 * (f32.weight_bytes + 10 * f32.kv_bytes_per_position) / 1e9
+    compute = 1000 * 9 * (f32.linear_macs_per_token + 10 * f32.attention_macs_per_position) / 1e9
+    assert f32.roofline_ms(1, 9, ceilings) == pytest.approx(max(read_bound, 1000 * (f32.linear_macs_per_token + 10 * f32.attention_macs_per_position) / 1e9))
+    assert f32.roofline_ms(9, 1, ceilings) == pytest.approx(max(read_bound, compute))
+    assert int8.roofline_ms(64, 0, ceilings) < f32.roofline_ms(64, 0, ceilings)
+
+
+def test_cache_path_is_per_machine_and_model(tmp_path):
+    a, b = cost_curve_path(tmp_path, "m-int8"), cost_curve_path(tmp_path, "m/float32")
+    assert a.parent == b.parent and a != b and a.parent.parent == tmp_path / "cost"
