@@ -76,10 +76,15 @@ def test_draft_equal_to_target_accepts_everything(gamma, tiny_qwen):
 
 # --- stops inside an accepted block ----------------------------------------------------
 
+def free_greedy(llm: LLM, prompt: str) -> list[int]:
+    """The 20 greedy tokens a prompt gives with no stop rule: a stop is then placed inside them."""
+    [free] = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
+    return free.outputs[0].token_ids
+
+
 def test_stop_token_inside_an_accepted_block(tiny_qwen):
     llm = spec_llm(tiny_qwen, tiny_qwen, 4, max_model_len=128)
-    [free] = llm.generate("stops", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    tokens = free.outputs[0].token_ids
+    tokens = free_greedy(llm, "stops")
     stop = tokens[2]
     cut = tokens.index(stop) + 1
     [out] = llm.generate("stops", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop_token_ids=[stop]))
@@ -92,8 +97,7 @@ def test_stop_token_inside_an_accepted_block(tiny_qwen):
 
 def test_eos_inside_an_accepted_block(tiny_qwen):
     llm = spec_llm(tiny_qwen, tiny_qwen, 4, max_model_len=128)
-    [free] = llm.generate("eos", SamplingParams(temperature=0, max_tokens=20, ignore_eos=True))
-    tokens = free.outputs[0].token_ids
+    tokens = free_greedy(llm, "eos")
     eos = tokens[3]
     cut = tokens.index(eos) + 1
     engine = llm.engine

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from specdec.bench.report import environment_line, median_spread, publish, update_section
-from specdec.bench.workers import WorkerSpec, add_run_arguments, run_workers, specdec_passes
+from specdec.bench.workers import WorkerSpec, add_run_arguments, dataset_prompts, run_workers, specdec_passes
 from specdec.models.cost_curve import DEFAULT_KS
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
@@ -45,7 +45,7 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     # and each is taken at its best (a ceiling is what the machine has shown it can do)
     before = measure_ceilings()
     curve = llm.cost_curve(refresh=True)  # measured now, and cached for the engine
-    passes, ttft, tpot, _ = specdec_passes(llm, spec)
+    passes, ttft, tpot, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
     after = measure_ceilings()
     ceilings = before.best(after)
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}

@@ -100,8 +100,8 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
     from specdec.metrics import SpecStats
 
     llm = LLM(spec.model, speculative_config=spec.speculative_config, quantization=spec.quantization, max_num_seqs=1)
-    result, ttft, tpot, stats = specdec_passes(llm, spec)
-    prompts = [render(p, llm.get_tokenizer()) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+    prompts = dataset_prompts(spec, llm.get_tokenizer())
+    result, ttft, tpot, stats = specdec_passes(llm, spec, prompts)
     spec_summary = None
     if spec.speculative_config:
         total = SpecStats()
@@ -115,7 +115,13 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
     }
 
 
-def specdec_passes(llm: Any, spec: WorkerSpec) -> tuple[dict, list[float], list[float], list[dict]]:
+def dataset_prompts(spec: WorkerSpec, tokenizer: Any) -> list[list[int]]:
+    return [render(p, tokenizer) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+
+
+def specdec_passes(
+    llm: Any, spec: WorkerSpec, prompts: list[list[int]]
+) -> tuple[dict, list[float], list[float], list[dict]]:
     """Timed greedy passes over the dataset; also TTFT, TPOT and speculation stats per request."""
     from specdec import SamplingParams
 
@@ -129,7 +135,6 @@ def specdec_passes(llm: Any, spec: WorkerSpec) -> tuple[dict, list[float], list[
         stats.append(out.metrics.speculative_decoding)
         return out.outputs[0].token_ids
 
-    prompts = [render(p, llm.get_tokenizer()) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
     return _timed_passes(spec, generate, prompts), ttft, tpot, stats
 
 
@@ -175,7 +180,7 @@ def _transformers(spec: WorkerSpec) -> dict[str, Any]:
             out = model.generate(input_ids, attention_mask=torch.ones_like(input_ids), generation_config=config, **options)
         return out[0, len(ids):].tolist()
 
-    prompts = [render(p, tokenizer) for p in load_prompts(spec.dataset)[: spec.num_prompts]]
+    prompts = dataset_prompts(spec, tokenizer)
     from importlib.metadata import version
 
     return {**_timed_passes(spec, generate, prompts), "version": version("transformers")}
