@@ -46,9 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                      help="weight format of the model: auto (default: int8 on CPU), none (float weights) or int8")
-    gen.add_argument("--method", default="none", help="speculation method: none (default) or draft_model")
+    gen.add_argument("--method", default="none",
+                     help="speculation method: none (default), draft_model, ngram (prompt lookup) or suffix (suffix decoding)")
     gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL})")
     gen.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, tokens drafted per step")
+    gen.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram matched (vLLM rule: defaults to max)")
+    gen.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram matched (default 5)")
     gen.add_argument("--draft-quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                      help="weight format of the draft model: auto (default: int8 on CPU), none or int8")
     gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
@@ -91,7 +94,8 @@ def _generate(args: argparse.Namespace) -> int:
     speculative_config = None
     if args.method != "none":
         speculative_config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
-                              "model": args.draft, "quantization": _format(args.draft_quantization)}
+                              "model": args.draft, "quantization": _format(args.draft_quantization),
+                              "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
     llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
               quantization=_format(args.quantization), max_model_len=args.max_model_len)
     load_s = time.perf_counter() - start

@@ -96,24 +96,65 @@ class EngineConfig:
         _check_quantization(self.quantization, "model")
 
 
+# vLLM's defaults for its n-gram proposer when neither bound is given.
+DEFAULT_PROMPT_LOOKUP = 5
+
+
 @dataclass(frozen=True)
 class SpeculativeConfig:
-    """vLLM's `speculative_config`: which proposer, its model and that model's weight format
-    (`quantization`, independent of the target's), and γ = num_speculative_tokens."""
+    """vLLM's `speculative_config`: which proposer, and γ = num_speculative_tokens.
+
+    - `draft_model`: `model` and that model's weight format `quantization` (independent of the target's);
+    - `ngram` (prompt lookup): `prompt_lookup_min`/`prompt_lookup_max`, the n-gram sizes matched
+      against the context; one given sets the other, neither gives 5 and 5 (vLLM's rule);
+    - `suffix` (SuffixDecoding): `suffix_decoding_max_tree_depth` (longest pattern and proposal),
+      `suffix_decoding_max_cached_requests` (previous requests' outputs kept for matching, LRU; 0
+      matches only within the request), `suffix_decoding_max_spec_factor` (a match of m tokens
+      proposes at most m × factor tokens), `suffix_decoding_min_token_prob` (stop where the
+      continuation's estimated probability falls below it). γ defaults to the tree depth.
+    Options of other methods are ignored, as in vLLM.
+    """
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None = None
     model: str | None = None
     quantization: str | None = AUTO_QUANTIZATION
+    prompt_lookup_min: int | None = None
+    prompt_lookup_max: int | None = None
+    suffix_decoding_max_tree_depth: int = 24
+    # vLLM keeps 10000; our Python tree takes up to 1.75 MB per 256-token output at depth 24 (measured, distinct
+    # tokens; repeats share nodes), so 1000 outputs stay under ~1.8 GB
+    suffix_decoding_max_cached_requests: int = 1000
+    suffix_decoding_max_spec_factor: float = 1.0
+    suffix_decoding_min_token_prob: float = 0.1
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
+        _check(_is_count(self.suffix_decoding_max_tree_depth, 1, 64),
+               f"suffix_decoding_max_tree_depth must be an integer in [1, 64], got {self.suffix_decoding_max_tree_depth!r}")
+        if self.num_speculative_tokens is None and self.method == "suffix":
+            object.__setattr__(self, "num_speculative_tokens", self.suffix_decoding_max_tree_depth)  # as vLLM
+        _check(self.num_speculative_tokens is not None, "speculative_config needs 'num_speculative_tokens'")
         _check(
-            isinstance(self.num_speculative_tokens, int) and not isinstance(self.num_speculative_tokens, bool)
-            and 1 <= self.num_speculative_tokens <= 64,
+            _is_count(self.num_speculative_tokens, 1, 64),
             f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
         )
         _check_quantization(self.quantization, "draft")
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = DEFAULT_PROMPT_LOOKUP
+        low, high = (high if low is None else low), (low if high is None else high)
+        _check(_is_count(low, 1, 64) and _is_count(high, 1, 64) and low <= high,
+               f"prompt_lookup_min and prompt_lookup_max must be integers with 1 <= min <= max <= 64, got "
+               f"{self.prompt_lookup_min!r} and {self.prompt_lookup_max!r}")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+        _check(_is_count(self.suffix_decoding_max_cached_requests, 0, 10**7),
+               f"suffix_decoding_max_cached_requests must be an integer >= 0, got {self.suffix_decoding_max_cached_requests!r}")
+        _check(_is_number(self.suffix_decoding_max_spec_factor) and self.suffix_decoding_max_spec_factor > 0,
+               f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
+        _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
+               f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | Mapping | None") -> "SpeculativeConfig | None":
@@ -122,9 +163,12 @@ class SpeculativeConfig:
             return value
         if not isinstance(value, Mapping):
             raise ValueError(f"speculative_config must be a dict or SpeculativeConfig, got {type(value).__name__}")
-        known = {"method", "num_speculative_tokens", "model", "quantization"}
+        known = set(cls.__dataclass_fields__)
         unknown = sorted(set(value) - known)
         _check(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         _check("method" in value, "speculative_config needs a 'method', e.g. 'draft_model'")
-        _check("num_speculative_tokens" in value, "speculative_config needs 'num_speculative_tokens'")
         return cls(**dict(value))
+
+
+def _is_count(value: object, low: int, high: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and low <= value <= high

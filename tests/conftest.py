@@ -113,3 +113,59 @@ def perturbed_copy(source: Path, target: Path, noise: float, seed: int = 0) -> P
 @pytest.fixture(scope="session")
 def tiny_qwen_draft(tiny_qwen, tmp_path_factory) -> Path:
     return perturbed_copy(tiny_qwen, tmp_path_factory.mktemp("tiny-qwen2-draft"), noise=0.08)
+
+
+# --- the distribution, end to end: a 16-token vocabulary, exact P(t1, t2) by enumeration ------
+
+SMALL_VOCAB = 16
+NUM_SAMPLES = 20_000
+
+
+@pytest.fixture(scope="session")
+def small_vocab_pair(tmp_path_factory):
+    """Tiny target and a clearly different tiny draft over 16 tokens, sharpened logits."""
+    common = dict(vocab_size=SMALL_VOCAB, eos_token_id=0, bos_token_id=0, pad_token_id=0)
+    target = build_tiny_model(tmp_path_factory.mktemp("v16-target"), "llama", seed=11, **common)
+    draft = build_tiny_model(tmp_path_factory.mktemp("v16-draft"), "llama", seed=12, **common)
+    return target, draft
+
+
+def exact_first_two(target_dir, prompt: list[int], params) -> torch.Tensor:
+    """P(t1, t2) by enumeration with transformers' forward: [V, V]."""
+    from transformers import AutoModelForCausalLM
+
+    from specdec.sampling import processed_probs
+
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        first = model(torch.tensor([prompt])).logits[0, -1:]
+        seconds = model(torch.tensor([prompt + [t] for t in range(SMALL_VOCAB)])).logits[:, -1]
+    p1 = processed_probs(first, [params])[0]
+    p2 = processed_probs(seconds, [params] * SMALL_VOCAB)
+    return p1[:, None] * p2
+
+
+def sampled_first_two(target_dir, speculative_config: dict, params, prompt: list[int]) -> tuple[torch.Tensor, dict]:
+    """Counts of (t1, t2) over params.n samples generated in one call (float32 target), and the speculation stats."""
+    from specdec import LLM
+
+    llm = LLM(str(target_dir), speculative_config=speculative_config, quantization=None, skip_tokenizer_init=True,
+              max_model_len=max(16, len(prompt) + 8), max_num_seqs=512)
+    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
+    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
+    for c in out.outputs:
+        counts[c.token_ids[0], c.token_ids[1]] += 1
+    return counts, out.metrics.speculative_decoding
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    from scipy.stats import chisquare
+
+    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
+    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
+    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
+    expected = torch.cat([expected[keep], expected[~keep].sum()[None]])
+    if expected[-1] < 1e-9:
+        assert observed[-1] == 0, "tokens the target gives probability 0 were generated"
+        observed, expected = observed[:-1], expected[:-1]
+    return float(chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue)

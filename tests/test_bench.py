@@ -6,6 +6,7 @@ import json
 
 import pytest
 
+from conftest import build_tiny_model
 from specdec.bench import run_benchmark
 from specdec.bench.draft_model import predicted_speedups
 from specdec.bench.report import same_greedy_tokens, update_section
@@ -88,6 +89,29 @@ def test_plain_decode_bench_on_a_tiny_model(tiny_qwen, tmp_path):
     results = json.loads((out / "plain_decode.json").read_text())
     assert [r["spec"]["engine"] for r in results] == ["specdec", "transformers"]
     assert results[0]["tokens"] == results[1]["tokens"]  # same greedy tokens as transformers
+
+
+def test_ngram_bench_on_a_tiny_model(tmp_path):
+    out, doc = tmp_path / "results", tmp_path / "BENCH.md"
+    model = build_tiny_model(tmp_path / "model", max_position_embeddings=2048)  # the edit prompts: ~1k bytes
+    code = run_benchmark("ngram", [
+        "--model", str(model), "--datasets", "edit", "code", "--gammas", "4", "--ngram-sizes", "1-3",
+        "--suffix-gammas", "6", "--repeat", "1", "--num-prompts", "2", "--max-tokens", "16", "--edit-max-tokens", "24",
+        "--out", str(out), "--update", str(doc)])
+    assert code == 0
+    results = json.loads((out / "ngram.json").read_text())
+    labels = ["specdec plain [int8]", "specdec ngram γ=4, prompt_lookup_min=1, prompt_lookup_max=3 [int8]",
+              "specdec suffix γ=6 [int8]", "transformers plain", "transformers prompt lookup (10 tokens)"]
+    assert [r["label"] for r in results] == labels * 2
+    for dataset in range(2):
+        plain, *spec, hf_plain, hf_lookup = results[5 * dataset : 5 * dataset + 5]
+        for r in spec:
+            assert r["tokens"] == plain["tokens"]  # greedy identity inside the bench
+            assert r["speculative"]["num_spec_steps"] > 0
+        assert hf_lookup["tokens"] == hf_plain["tokens"]
+    assert all(len(t) == 16 for t in results[5]["tokens"])  # `code` ignores EOS; `edit` stops at it
+    table = doc.read_text()
+    assert "<!-- bench:ngram -->" in table and "### `edit`" in table and "### `code`" in table
 
 
 def test_unknown_benchmark():

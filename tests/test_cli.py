@@ -70,6 +70,18 @@ def test_generate_with_a_draft_model_prints_speculation_metrics(tiny_qwen, tiny_
     assert "unknown speculative method 'eagle9'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("method", [["--method", "ngram", "--prompt-lookup-min", "1", "--prompt-lookup-max", "3"],
+                                    ["--method", "suffix"]], ids=["ngram", "suffix"])
+def test_generate_with_a_context_proposer(method, tiny_qwen, capsys):
+    args = ["generate", "ab ab ab ab", "--model", str(tiny_qwen), "--max-tokens", "24", "--max-model-len", "64", "--json"]
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + method) == 0
+    spec = json.loads(capsys.readouterr().out)
+    assert spec["token_ids"] == plain["token_ids"]
+    assert spec["metrics"]["speculative_decoding"]["num_spec_steps"] > 0
+
+
 def test_generate_with_int8_weights_for_target_and_draft(tiny_qwen, tiny_qwen_draft, capsys):
     args = ["generate", "def f(x):", "--model", str(tiny_qwen), "--max-tokens", "10", "--max-model-len", "64",
             "--quantization", "int8", "--json"]

@@ -1,4 +1,4 @@
-"""Draft-model speculation on the embedded pair (1.5B target, 0.5B draft): greedy identity (slow)."""
+"""Speculation on the embedded models (1.5B target, 0.5B draft; n-gram and suffix on the 1.5B): greedy identity (slow)."""
 
 from __future__ import annotations
 
@@ -26,3 +26,20 @@ def test_greedy_speculation_matches_plain_on_the_embedded_pair(quantization):
         s = out.metrics.speculative_decoding
         assert s["num_spec_steps"] > 0 and s["num_accepted_tokens"] > 0
         assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids)  # fewer target forwards than tokens
+
+
+def test_ngram_and_suffix_match_plain_on_the_1_5b():
+    """An edit task (copy-heavy): greedy identity, and most tokens come from accepted copies."""
+    params = SamplingParams(temperature=0, max_tokens=128)
+    outputs = {}
+    for name, config in [("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 8,
+                                                     "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
+                         ("suffix", {"method": "suffix", "num_speculative_tokens": 16})]:
+        llm = LLM("qwen2.5-coder-1.5b", max_model_len=1024, speculative_config=config)
+        prompt = render(load_prompts("edit")[0], llm.get_tokenizer())
+        [outputs[name]] = llm.generate({"prompt_token_ids": prompt}, params)
+        del llm
+    for name in ("ngram", "suffix"):
+        out = outputs[name]
+        assert out.outputs[0].token_ids == outputs["plain"].outputs[0].token_ids
+        assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids) / 2

@@ -6,26 +6,24 @@ import dataclasses
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from transformers import AutoModelForCausalLM
 
-from conftest import build_tiny_model
+from conftest import NUM_SAMPLES, chi_square_pvalue, exact_first_two, sampled_first_two
 from specdec import LLM, SamplingParams
 from specdec.engine import engine as engine_module
 from specdec.models.batch import ForwardBatch, SequenceInput
-from specdec.sampling import processed_probs
 from specdec.spec.verifier import Verified
 
 PROMPTS = ["def add(a, b):", "x", "The quick brown fox jumps over"]
-SMALL_VOCAB = 16
-NUM_SAMPLES = 20_000
 
 
 # float32 target and draft throughout: the exact distributions come from transformers' float32 forward
 # (int8 speculation: test_quantization.py)
+def draft_config(draft, gamma: int = 3) -> dict:
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma, "quantization": None}
+
+
 def spec_llm(target, draft, gamma, **kw) -> LLM:
-    config = {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma, "quantization": None}
-    return LLM(str(target), speculative_config=config, quantization=None, **kw)
+    return LLM(str(target), speculative_config=draft_config(draft, gamma), quantization=None, **kw)
 
 
 def assert_idle(llm: LLM) -> None:
@@ -170,47 +168,6 @@ def test_seeded_speculative_request_ignores_its_batch(tiny_qwen, tiny_qwen_draft
 
 # --- the distribution, end to end ------------------------------------------------------------
 
-@pytest.fixture(scope="module")
-def small_vocab_pair(tmp_path_factory):
-    """Tiny target and a clearly different tiny draft over 16 tokens, sharpened logits."""
-    common = dict(vocab_size=SMALL_VOCAB, eos_token_id=0, bos_token_id=0, pad_token_id=0)
-    target = build_tiny_model(tmp_path_factory.mktemp("v16-target"), "llama", seed=11, **common)
-    draft = build_tiny_model(tmp_path_factory.mktemp("v16-draft"), "llama", seed=12, **common)
-    return target, draft
-
-
-def exact_first_two(target_dir, prompt: list[int], params: SamplingParams) -> torch.Tensor:
-    """P(t1, t2) by enumeration with transformers' forward: [V, V]."""
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32).eval()
-    with torch.no_grad():
-        first = model(torch.tensor([prompt])).logits[0, -1:]
-        seconds = model(torch.tensor([prompt + [t] for t in range(SMALL_VOCAB)])).logits[:, -1]
-    p1 = processed_probs(first, [params])[0]
-    p2 = processed_probs(seconds, [params] * SMALL_VOCAB)
-    return p1[:, None] * p2
-
-
-def sampled_first_two(target_dir, draft_dir, params: SamplingParams, prompt: list[int]) -> tuple[torch.Tensor, dict]:
-    """Counts of (t1, t2) over params.n samples generated in one call, and the speculation stats."""
-    llm = spec_llm(target_dir, draft_dir, 3, skip_tokenizer_init=True, max_model_len=16, max_num_seqs=512)
-    [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)
-    counts = torch.zeros(SMALL_VOCAB, SMALL_VOCAB)
-    for c in out.outputs:
-        counts[c.token_ids[0], c.token_ids[1]] += 1
-    return counts, out.metrics.speculative_decoding
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
-    keep = expected >= 5  # pool rare cells so the chi-square approximation holds
-    observed = torch.cat([counts[keep], counts[~keep].sum()[None]])
-    expected = torch.cat([expected[keep], expected[~keep].sum()[None]])
-    if expected[-1] < 1e-9:
-        assert observed[-1] == 0, "tokens the target gives probability 0 were generated"
-        observed, expected = observed[:-1], expected[:-1]
-    return float(chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue)
-
-
 DISTRIBUTION_CASES = {
     "temperature-1": SamplingParams(temperature=1.0),
     "temperature-0.7-top-k-5": SamplingParams(temperature=0.7, top_k=5),
@@ -226,7 +183,7 @@ def test_first_two_tokens_are_distributed_as_the_target(case, small_vocab_pair):
     params = SamplingParams(n=NUM_SAMPLES, temperature=base.temperature, top_k=base.top_k, top_p=base.top_p,
                             max_tokens=4, seed=2024, ignore_eos=True)
     prompt = [1, 2, 3]
-    counts, stats = sampled_first_two(target, draft, params, prompt)
+    counts, stats = sampled_first_two(target, draft_config(draft), params, prompt)
     assert 0.05 < stats["draft_acceptance_rate"] < 0.95  # the draft really differs: both branches ran
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, params)) > 1e-4
 
@@ -239,7 +196,7 @@ def test_power_end_to_end_an_always_accepting_verifier_fails(small_vocab_pair, m
     monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
     target, draft = small_vocab_pair
     params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, max_tokens=4, seed=2024, ignore_eos=True)
-    counts, _ = sampled_first_two(target, draft, params, [1, 2, 3])
+    counts, _ = sampled_first_two(target, draft_config(draft), params, [1, 2, 3])
     assert chi_square_pvalue(counts, exact_first_two(target, [1, 2, 3], params)) < 1e-12
 
 

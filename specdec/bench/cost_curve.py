@@ -45,7 +45,7 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     # and each is taken at its best (a ceiling is what the machine has shown it can do)
     before = measure_ceilings()
     curve = llm.cost_curve(refresh=True)  # measured now, and cached for the engine
-    passes, ttft, tpot, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
+    passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
     after = measure_ceilings()
     ceilings = before.best(after)
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}

@@ -1,9 +1,9 @@
 """One engine configuration measured in its own subprocess, so memory stays bounded and engines
 never share a process. The parent calls `run_worker(WorkerSpec)`; the child prints one JSON line.
 
-Each worker decodes the prompts one at a time (batch 1), greedy, a fixed number of new tokens
-(EOS ignored), `repeat` passes after a warm-up, and reports tok/s per pass plus what the engine
-measured about itself.
+Each worker decodes the prompts one at a time (batch 1), greedy, `max_tokens` new tokens (EOS
+ignored unless `ignore_eos` is off), `repeat` passes after a warm-up, and reports tok/s per pass
+plus what the engine measured about itself.
 """
 
 from __future__ import annotations
@@ -35,14 +35,23 @@ class WorkerSpec:
     assistant_model: str | None = None  # transformers assisted generation
     assistant_schedule: str | None = None  # "constant" | None (transformers' default heuristic)
     num_assistant_tokens: int | None = None
+    prompt_lookup_num_tokens: int | None = None  # transformers prompt lookup decoding
+    ignore_eos: bool = True  # False: stop at EOS, as a user would (edit tasks that end)
     measure_costs: bool = False  # specdec: forward time for k new tokens, target and draft
 
     @property
     def label(self) -> str:
         if self.speculative_config:
             config = self.speculative_config
+            if config["method"] != "draft_model":
+                options = "".join(f", {k.removeprefix('suffix_decoding_')}={v}" for k, v in config.items()
+                                  if k not in ("method", "num_speculative_tokens"))
+                return f"specdec {config['method']} γ={config.get('num_speculative_tokens')}{options}" + (
+                    f" [{self.quantization}]" if self.quantization else "")
             formats = f" [{self.quantization or 'fp32'} + {config.get('quantization') or 'fp32'} draft]" if self.quantization or config.get("quantization") else ""
             return f"specdec {config['method']} γ={config['num_speculative_tokens']}{formats}"
+        if self.prompt_lookup_num_tokens:
+            return f"transformers prompt lookup ({self.prompt_lookup_num_tokens} tokens)"
         if self.assistant_model:
             schedule = self.assistant_schedule or "heuristic"
             gamma = f" γ={self.num_assistant_tokens}" if self.num_assistant_tokens else ""
@@ -101,7 +110,7 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
 
     llm = LLM(spec.model, speculative_config=spec.speculative_config, quantization=spec.quantization, max_num_seqs=1)
     prompts = dataset_prompts(spec, llm.get_tokenizer())
-    result, ttft, tpot, stats = specdec_passes(llm, spec, prompts)
+    result, ttft, tpot, stats, forwards = specdec_passes(llm, spec, prompts)
     spec_summary = None
     if spec.speculative_config:
         total = SpecStats()
@@ -111,6 +120,7 @@ def _specdec(spec: WorkerSpec) -> dict[str, Any]:
     costs = _forward_costs(llm, prompts) if spec.measure_costs else None
     return {
         **result, "ttft_s": ttft[1:], "tpot_s": tpot[1:], "speculative": spec_summary, "costs": costs,
+        "target_forwards": forwards[1:],
         "eos_token_ids": sorted(llm.engine.rules.eos_token_ids),
     }
 
@@ -121,21 +131,22 @@ def dataset_prompts(spec: WorkerSpec, tokenizer: Any) -> list[list[int]]:
 
 def specdec_passes(
     llm: Any, spec: WorkerSpec, prompts: list[list[int]]
-) -> tuple[dict, list[float], list[float], list[dict]]:
-    """Timed greedy passes over the dataset; also TTFT, TPOT and speculation stats per request."""
+) -> tuple[dict, list[float], list[float], list[dict], list[int]]:
+    """Timed greedy passes over the dataset; also TTFT, TPOT, speculation stats and target forwards per request."""
     from specdec import SamplingParams
 
-    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
-    ttft, tpot, stats = [], [], []
+    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
+    ttft, tpot, stats, forwards = [], [], [], []
 
     def generate(ids: list[int]) -> list[int]:
         [out] = llm.generate([{"prompt_token_ids": ids}], params, use_tqdm=False)
         ttft.append(out.metrics.ttft_s)
         tpot.append(out.metrics.tpot_s)
         stats.append(out.metrics.speculative_decoding)
+        forwards.append(out.metrics.num_target_forwards)
         return out.outputs[0].token_ids
 
-    return _timed_passes(spec, generate, prompts), ttft, tpot, stats
+    return _timed_passes(spec, generate, prompts), ttft, tpot, stats, forwards
 
 
 def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 4, 5, 7, 9)) -> dict:
@@ -155,7 +166,7 @@ def _transformers(spec: WorkerSpec) -> dict[str, Any]:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
-    from specdec.models.loader import resolve_model_dir
+    from specdec.models.loader import eos_token_ids, resolve_model_dir
 
     torch.set_num_threads(spec.threads)
     model_dir = resolve_model_dir(spec.model)
@@ -169,9 +180,11 @@ def _transformers(spec: WorkerSpec) -> dict[str, Any]:
             assistant.generation_config.num_assistant_tokens_schedule = spec.assistant_schedule
         if spec.num_assistant_tokens:
             assistant.generation_config.num_assistant_tokens = spec.num_assistant_tokens
+    if spec.prompt_lookup_num_tokens:
+        options["prompt_lookup_num_tokens"] = spec.prompt_lookup_num_tokens
     config = GenerationConfig(
-        max_new_tokens=spec.max_tokens, min_new_tokens=spec.max_tokens, do_sample=False,
-        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.eos_token_id,
+        max_new_tokens=spec.max_tokens, min_new_tokens=spec.max_tokens if spec.ignore_eos else None, do_sample=False,
+        eos_token_id=sorted(eos_token_ids(model_dir, tokenizer)), pad_token_id=tokenizer.eos_token_id,
     )
 
     def generate(ids: list[int]) -> list[int]:

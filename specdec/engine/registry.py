@@ -28,8 +28,34 @@ def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig)
     return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len)
 
 
+def _no_model(spec: SpeculativeConfig) -> None:
+    if spec.model is not None:
+        raise ValueError(f"method {spec.method!r} proposes from the context and takes no model, got model={spec.model!r}")
+
+
+def _ngram(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.spec.proposers.ngram import NgramProposer
+
+    _no_model(spec)
+    return NgramProposer(spec.prompt_lookup_min, spec.prompt_lookup_max)
+
+
+def _suffix(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.spec.proposers.suffix import SuffixProposer
+
+    _no_model(spec)
+    return SuffixProposer(
+        spec.suffix_decoding_max_tree_depth,
+        spec.suffix_decoding_max_cached_requests,
+        spec.suffix_decoding_max_spec_factor,
+        spec.suffix_decoding_min_token_prob,
+    )
+
+
 PROPOSERS: dict[str, Callable[[SpeculativeConfig, Decoder, EngineConfig], Proposer]] = {
     "draft_model": _draft_model,
+    "ngram": _ngram,
+    "suffix": _suffix,
 }
 
 

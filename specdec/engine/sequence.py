@@ -51,6 +51,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
+    def token_ids_from(self, start: int) -> list[int]:
+        """token_ids[start:] without copying the whole context (proposers catching up each step)."""
+        prompt = len(self.prompt_token_ids)
+        if start < prompt:
+            return self.prompt_token_ids[start:] + self.output_token_ids
+        return self.output_token_ids[start - prompt :]
+
     def pending_token_ids(self, num_cached: int, max_chunk: int) -> list[int]:
         """The tokens to feed next: a chunk of the prompt, or the last sampled token."""
         return self.token_ids[num_cached : num_cached + max_chunk]

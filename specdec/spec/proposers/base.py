@@ -26,6 +26,14 @@ class Draft:
     def empty(cls, batch: int) -> "Draft":
         return cls(torch.zeros(batch, 0, dtype=torch.long), [0] * batch, None)
 
+    @classmethod
+    def deterministic(cls, drafts: Seq[Seq[int]]) -> "Draft":
+        """One token list per sequence (any lengths, empty = no draft), q = None."""
+        tokens = torch.zeros(len(drafts), max((len(d) for d in drafts), default=0), dtype=torch.long)
+        for i, draft in enumerate(drafts):
+            tokens[i, : len(draft)] = torch.tensor(draft, dtype=torch.long)
+        return cls(tokens, [len(d) for d in drafts], None)
+
 
 class Proposer(Protocol):
     needs_hidden_states: bool  # whether propose() reads the target's hidden states (EAGLE, MTP)

@@ -65,4 +65,4 @@ class DraftModelProposer:
     def _unseen_tokens(self, seq: Sequence) -> list[int]:
         if seq not in self._slots:
             self._slots[seq] = self.cache.allocate()
-        return seq.token_ids[self.cache.length(self._slots[seq]) :]
+        return seq.token_ids_from(self.cache.length(self._slots[seq]))
