@@ -14,6 +14,9 @@ from specdec.models import zoo
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["bench"] and (len(argv) == 1 or argv[1].startswith("-") and argv[1] not in ("-h", "--help")):
+        argv.insert(1, "sweep")  # `specdec bench [options]` is the sweep
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
@@ -63,8 +66,8 @@ def _parser() -> argparse.ArgumentParser:
     models_list.add_argument("--json", action="store_true")
     models_list.set_defaults(run=_models_list)
 
-    bench = commands.add_parser("bench", help="benchmarks (see specdec/bench)")
-    bench.add_argument("name", help="benchmark name, e.g. plain_decode")
+    bench = commands.add_parser("bench", help="benchmarks (see specdec/bench); without a name: the sweep")
+    bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser

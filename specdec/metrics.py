@@ -14,6 +14,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)  # accepted count per draft position
+    draft_histogram: list[int] = field(default_factory=list)  # steps that drafted that far, per draft position
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
 
@@ -21,10 +22,13 @@ class SpecStats:
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
-        if len(self.acceptance_histogram) < num_drafted:
-            self.acceptance_histogram.extend([0] * (num_drafted - len(self.acceptance_histogram)))
+        for histogram in (self.acceptance_histogram, self.draft_histogram):
+            if len(histogram) < num_drafted:
+                histogram.extend([0] * (num_drafted - len(histogram)))
         for position in range(num_accepted):
             self.acceptance_histogram[position] += 1
+        for position in range(num_drafted):
+            self.draft_histogram[position] += 1
 
     @classmethod
     def from_summary(cls, summary: dict) -> "SpecStats":
@@ -32,13 +36,12 @@ class SpecStats:
         return cls(**{f: summary[f] for f in cls.__dataclass_fields__})
 
     def merged(self, other: "SpecStats") -> "SpecStats":
-        width = max(len(self.acceptance_histogram), len(other.acceptance_histogram))
-        pad = lambda h: h + [0] * (width - len(h))  # noqa: E731
         return SpecStats(
             self.num_spec_steps + other.num_spec_steps,
             self.num_draft_tokens + other.num_draft_tokens,
             self.num_accepted_tokens + other.num_accepted_tokens,
-            [a + b for a, b in zip(pad(self.acceptance_histogram), pad(other.acceptance_histogram))],
+            _add(self.acceptance_histogram, other.acceptance_histogram),
+            _add(self.draft_histogram, other.draft_histogram),
             self.draft_time_s + other.draft_time_s,
             self.verify_time_s + other.verify_time_s,
         )
@@ -55,9 +58,17 @@ class SpecStats:
             "mean_acceptance_length": mean_length,
             "alpha": alpha_from_mean_length(mean_length, gamma) if steps else None,
             "acceptance_histogram": list(self.acceptance_histogram),
+            "draft_histogram": list(self.draft_histogram),
+            # P(position i accepted | the step drafted position i): acceptance per position, not i.i.d.
+            "per_position_acceptance": [a / d for a, d in zip(self.acceptance_histogram, self.draft_histogram)],
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
         }
+
+
+def _add(a: list[int], b: list[int]) -> list[int]:
+    width = max(len(a), len(b))
+    return [x + y for x, y in zip(a + [0] * (width - len(a)), b + [0] * (width - len(b)))]
 
 
 def expected_length(alpha: float, gamma: float) -> float:

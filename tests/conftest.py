@@ -1,4 +1,4 @@
-"""Tiny models built inside the tests: random HF checkpoints plus a byte-level tokenizer."""
+"""Fixtures: tiny models built inside the tests (specdec.bench.tiny), exact distributions to test against."""
 
 from __future__ import annotations
 
@@ -7,56 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-VOCAB = 260  # 256 byte tokens + specials
-EOS_ID = 256
-CHAT_TEMPLATE = (
-    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-
-
-def byte_tokenizer():
-    """A byte-level BPE tokenizer without merges: every byte is a token, ids 0..255."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    vocab.update({"<|endoftext|>": 256, "<|im_start|>": 257, "<|im_end|>": 258})
-    core = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    core.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    core.decoder = decoders.ByteLevel()
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=core, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
-    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
-    tokenizer.chat_template = CHAT_TEMPLATE
-    return tokenizer
-
-
-def build_tiny_model(path: Path, model_type: str = "qwen2", seed: int = 0, **overrides) -> Path:
-    from transformers import LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM
-
-    classes = {
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM, dict(tie_word_embeddings=True)),
-        "llama": (LlamaConfig, LlamaForCausalLM, dict(tie_word_embeddings=False, num_key_value_heads=1, rope_theta=500.0)),
-        "mistral": (MistralConfig, MistralForCausalLM, dict(tie_word_embeddings=False, sliding_window=None)),
-    }
-    config_cls, model_cls, extra = classes[model_type]
-    kwargs = dict(
-        vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=EOS_ID, bos_token_id=EOS_ID,
-        pad_token_id=EOS_ID,
-    )
-    kwargs.update(extra)
-    kwargs.update(overrides)
-    torch.manual_seed(seed)
-    model = model_cls(config_cls(**kwargs)).eval()
-    with torch.no_grad():  # larger weights than the default init: peaked, varied next-token distributions
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.normal_(0, 0.15)
-    model.save_pretrained(path)
-    byte_tokenizer().save_pretrained(path)
-    return path
+from specdec.bench.tiny import build_tiny_model, perturbed_copy
 
 
 def tree_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
@@ -92,22 +43,6 @@ def _isolated_cache(request, tmp_path, monkeypatch):
     """Tests never write to the user's model cache, except the real-model (`slow`) ones, which share it."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec-cache"))
-
-
-def perturbed_copy(source: Path, target: Path, noise: float, seed: int = 0) -> Path:
-    """The same model with Gaussian noise on its matrices: a draft that agrees with it often, not always."""
-    from transformers import AutoModelForCausalLM
-    from transformers import AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.dim() == 2:
-                p.add_(noise * torch.randn(p.shape, generator=g))
-    model.save_pretrained(target)
-    AutoTokenizer.from_pretrained(source).save_pretrained(target)
-    return target
 
 
 @pytest.fixture(scope="session")

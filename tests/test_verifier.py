@@ -132,4 +132,8 @@ def test_spec_stats_summary():
     assert s["draft_acceptance_rate"] == 0.5
     assert s["mean_acceptance_length"] == pytest.approx(1 + 5 / 3)
     assert s["acceptance_histogram"] == [2, 1, 1, 1]
+    assert s["draft_histogram"] == [3, 3, 2, 2]
+    assert s["per_position_acceptance"] == [2 / 3, 1 / 3, 1 / 2, 1 / 2]
+    merged = SpecStats.from_summary(s).merged(SpecStats.from_summary(s))
+    assert merged.summary()["per_position_acceptance"] == s["per_position_acceptance"]
     assert expected_length(s["alpha"], 10 / 3) == pytest.approx(s["mean_acceptance_length"])

@@ -1,0 +1,158 @@
+"""sweep: the evaluation a team runs before turning speculation on.
+
+Sweeps method × γ × temperature × dataset (× target and draft weight formats), with transformers'
+plain, assisted and prompt-lookup generation as peers in the same run. Each engine setup runs in
+its own subprocess; each cell (setup × dataset × temperature) is cached under OUT/cells, so an
+interrupted sweep resumes. Writes OUT/results.json, OUT/report.md and PNG plots, and with
+--update rewrites its section of BENCHMARKS.md. A speedup is a distribution: the report gives it
+per dataset and temperature, with acceptance, tails, the time split and the analytical predictions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from collections.abc import Sequence
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+from specdec.bench.analysis import CellRow, cell_row, with_speedups
+from specdec.bench.cells import EngineSetup, Workload, cell_path
+from specdec.bench.dataset import DATASETS, load_prompts
+from specdec.bench.quality import QUALITY_DATASET
+from specdec.bench.report import publish
+from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
+
+METHODS = ("none", "draft_model", "ngram", "suffix")
+FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specdec bench sweep", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=DEFAULT_MODEL)
+    p.add_argument("--draft", nargs="+", default=[DEFAULT_DRAFT_MODEL], help="draft models for draft_model")
+    p.add_argument("--methods", nargs="+", default=["none", "draft_model", "ngram"], choices=METHODS)
+    p.add_argument("--gammas", type=int, nargs="+", default=[0, 2, 4, 8], help="γ values; 0 is plain decoding")
+    p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
+    p.add_argument("--datasets", nargs="+", default=list(DATASETS))
+    p.add_argument("--dataset", action="append", default=[], help="also a user's JSONL prompt file (repeatable)")
+    p.add_argument("--formats", nargs="+", default=["auto"], choices=list(FORMATS), help="target weight formats")
+    p.add_argument("--draft-formats", nargs="+", default=["auto"], choices=list(FORMATS))
+    p.add_argument("--num-prompts", type=int, default=3)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-peers", action="store_true", help="skip transformers' plain / assisted / prompt lookup")
+    p.add_argument("--hf-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
+                   help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
+    p.add_argument("--quality", action="store_true",
+                   help="also run the code tasks with unit tests (greedy, --quality-max-tokens) and report pass rates")
+    p.add_argument("--quality-max-tokens", type=int, default=256)
+    p.add_argument("--quick", action="store_true",
+                   help="tiny random models built on the spot, 2 prompts × 8 tokens, γ 0 and 2: seconds, for CI")
+    p.add_argument("--out", type=Path, default=Path("bench-results/sweep"))
+    p.add_argument("--plot-dir", type=Path, default=None, help="where the PNGs go (default: OUT)")
+    p.add_argument("--update", type=Path, default=None, help="rewrite this Markdown file's sweep section")
+    return p
+
+
+def main(argv: Sequence[str]) -> int:
+    args = parser().parse_args(argv)
+    if args.quick:
+        from specdec.bench.tiny import tiny_pair
+
+        target, draft = tiny_pair(Path(tempfile.gettempdir()) / "specdec-bench-tiny")
+        args.model, args.draft = str(target), [str(draft)]
+        args.num_prompts, args.max_tokens, args.gammas = 2, 8, [0, 2]
+        args.methods = ["none", "draft_model", "ngram", "suffix"]
+    datasets = [*args.datasets, *args.dataset]
+    for name in datasets:
+        load_prompts(name)  # a bad name or file fails here, before anything runs
+    setups = engine_setups(args)
+    workloads = [Workload(d, t, args.num_prompts, args.max_tokens, args.repeat) for d in datasets for t in args.temperatures]
+    if args.quality:
+        tasks = len(load_prompts(QUALITY_DATASET))
+        workloads.append(Workload(QUALITY_DATASET, 0.0, tasks, args.quality_max_tokens, 1))
+    cells = run_sweep(setups, workloads, args.out / "cells")
+    rows = with_speedups([cell_row(c) for c in cells])
+    from specdec.bench.plots import draw_all
+    from specdec.bench.sweep_report import sweep_report
+
+    plots = draw_all(rows, args.plot_dir or args.out)
+    table = sweep_report(rows, args, argv, plots)
+    (args.out / "report.md").write_text(table + "\n")
+    publish("sweep", [{"cell": c, "row": asdict(r)} for c, r in zip(cells, rows)], table, args.out, args.update)
+    return 0
+
+
+def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
+    setups = []
+    for fmt in args.formats:
+        quantization = FORMATS[fmt]
+        common = dict(engine="specdec", model=args.model, quantization=quantization, threads=args.threads)
+        if "none" in args.methods or 0 in args.gammas:
+            setups.append(EngineSetup(**common))
+        for method in args.methods:
+            for gamma in (g for g in args.gammas if g > 0):
+                if method == "draft_model":
+                    for draft in args.draft:
+                        for draft_fmt in args.draft_formats:
+                            config = {"method": method, "num_speculative_tokens": gamma, "model": draft,
+                                      "quantization": FORMATS[draft_fmt]}
+                            setups.append(EngineSetup(**common, speculative_config=config))
+                elif method == "ngram":
+                    low, high = args.prompt_lookup
+                    config = {"method": method, "num_speculative_tokens": gamma, "prompt_lookup_min": low,
+                              "prompt_lookup_max": high}
+                    setups.append(EngineSetup(**common, speculative_config=config))
+                elif method != "none":
+                    setups.append(EngineSetup(**common, speculative_config={"method": method, "num_speculative_tokens": gamma}))
+    if not args.no_peers:
+        peer = dict(engine="transformers", model=args.model, quantization=None, threads=args.threads)
+        setups.append(EngineSetup(**peer))
+        if "draft_model" in args.methods:
+            setups += [EngineSetup(**peer, assistant_model=draft) for draft in args.draft]
+        if "ngram" in args.methods:
+            setups.append(EngineSetup(**peer, prompt_lookup_num_tokens=args.hf_lookup_tokens))
+    return setups
+
+
+def run_sweep(setups: list[EngineSetup], workloads: list[Workload], cells_dir: Path) -> list[dict[str, Any]]:
+    """Every cell's result, running (one subprocess per setup) only the cells without a cached one."""
+    from tqdm import tqdm
+
+    cells_dir.mkdir(parents=True, exist_ok=True)
+    total = len(setups) * len(workloads)
+    cached = sum(cell_path(cells_dir, s, w).exists() for s in setups for w in workloads)
+    with tqdm(total=total, initial=cached, desc="sweep cells", unit="cell") as bar:
+        for setup in setups:
+            missing = [w for w in workloads if not cell_path(cells_dir, setup, w).exists()]
+            if not missing:
+                continue
+            bar.set_postfix_str(setup.label)
+            job = {"setup": asdict(setup), "workloads": [asdict(w) for w in missing], "cells_dir": str(cells_dir)}
+            with tempfile.TemporaryFile("w+") as log, subprocess.Popen(
+                [sys.executable, "-m", "specdec.bench.cells", json.dumps(job)], stdout=subprocess.PIPE, stderr=log, text=True
+            ) as worker:
+                for _ in worker.stdout:  # one line per finished cell
+                    bar.update(1)
+                worker.wait()
+                log.seek(0)
+                if worker.returncode != 0:
+                    raise RuntimeError(f"worker {setup.label} failed (finished cells are kept; rerun to resume):\n"
+                                       f"{log.read()[-4000:]}")
+    return [json.loads(cell_path(cells_dir, s, w).read_text()) for s in setups for w in workloads]
+
+
+def rows_by(rows: list[CellRow], **match: Any) -> list[CellRow]:
+    return [r for r in rows if all(getattr(r, k) == v for k, v in match.items())]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,97 @@
+"""The evaluation framework: `specdec bench --quick` end to end on tiny models, and its pure parts."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+
+from specdec.bench.analysis import cost_aware_speedup, percentile, seeds_speedup
+from specdec.bench.dataset import DATASETS, load_prompts
+from specdec.bench.quality import extract_code, passes_tests
+from specdec.cli import main
+from specdec.metrics import expected_length
+
+
+def test_percentiles_and_predictions_by_hand():
+    assert percentile([3.0, 1.0, 2.0, None], 50) == 2.0
+    assert percentile([1.0, 2.0, 3.0, 4.0], 95) == pytest.approx(3.85)
+    assert percentile([], 50) is None
+    # seeds': α = 0.5, γ = 3, c = 0.1 → (1 − 0.5⁴) / (0.5 · 1.3)
+    assert seeds_speedup(0.5, 3, 0.1) == pytest.approx((1 - 0.5**4) / 0.5 / 1.3)
+    v = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
+    # 10 tokens from 2 plain steps + 2 speculative steps of 3 drafts each: 2 + 2 · (v(4) + 3 · 0.1)
+    assert cost_aware_speedup(10, 4, 2, 6, 0.1, v) == pytest.approx(10 / 5.2)
+    # every step drafting γ: the formula E[L] / (γc + v(γ+1))
+    mean_length = expected_length(0.7, 3)
+    assert cost_aware_speedup(round(100 * mean_length), 100, 100, 300, 0.05, v) == pytest.approx(
+        round(100 * mean_length) / 100 / (3 * 0.05 + 1.3))
+
+
+def test_quality_check_runs_the_tests():
+    answer = "Here it is:\n```python\ndef double(x):\n    return 2 * x\n```\nDone."
+    assert extract_code(answer).strip() == "def double(x):\n    return 2 * x"
+    assert passes_tests(answer, "assert double(3) == 6")
+    assert not passes_tests(answer, "assert double(3) == 7")
+    assert not passes_tests("```python\nwhile True:\n    pass\n```", "", timeout_s=1.0)
+    tasks = load_prompts("code_tests")
+    assert len(tasks) >= 8 and all(t["tests"] for t in tasks)
+
+
+def test_datasets_shipped_and_user_files(tmp_path):
+    for name in DATASETS:
+        assert len(load_prompts(name)) >= 8
+    path = tmp_path / "mine.jsonl"
+    path.write_text('{"prompt": "hello"}\n\n{"id": "b", "kind": "completion", "prompt": "def f():"}\n')
+    assert load_prompts(str(path)) == [{"id": "1", "kind": "chat", "prompt": "hello"},
+                                      {"id": "b", "kind": "completion", "prompt": "def f():"}]
+    path.write_text('{"prompt": ""}\n')
+    with pytest.raises(ValueError, match="line 1: needs a non-empty string 'prompt'"):
+        load_prompts(str(path))
+    with pytest.raises(ValueError, match="no bench dataset 'nope'"):
+        load_prompts("nope")
+
+
+def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
+    out, doc = tmp_path / "sweep", tmp_path / "BENCH.md"
+    doc.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
+    argv = ["bench", "--quick", "--datasets", "code", "edit", "--quality", "--quality-max-tokens", "16",
+            "--out", str(out), "--update", str(doc)]
+    assert main(argv) == 0
+    results = json.loads((out / "sweep.json").read_text())
+    labels = {r["row"]["label"] for r in results}
+    assert labels == {"specdec none", "specdec draft_model (tiny-draft) γ=2", "specdec ngram γ=2", "specdec suffix γ=2",
+                      "transformers plain", "transformers assisted (heuristic γ)", "transformers prompt lookup (10)"}
+    assert len(results) == 7 * (2 * 2 + 1)  # setups × (datasets × temperatures + the quality set)
+    plain = {(r["row"]["dataset"], r["row"]["temperature"]): r for r in results if r["row"]["label"] == "specdec none"}
+    for r in results:
+        row, cell = r["row"], r["cell"]
+        base = plain[(row["dataset"], row["temperature"])]
+        if row["label"] == "specdec none":
+            assert row["speedup"] == 1.0
+        if row["engine"] == "specdec" and row["temperature"] == 0:  # greedy: every method gives plain's tokens
+            assert [q["tokens"] for q in cell["passes"][-1]["requests"]] == \
+                   [q["tokens"] for q in base["cell"]["passes"][-1]["requests"]]
+        if row["mean_accepted_length"] is not None:
+            accepted = sum(q["speculative"]["num_accepted_tokens"] for q in cell["passes"][-1]["requests"])
+            steps = sum(q["speculative"]["num_spec_steps"] for q in cell["passes"][-1]["requests"])
+            assert row["mean_accepted_length"] == pytest.approx(1 + accepted / steps)
+            assert 0 <= row["alpha"] <= 1 and len(row["per_position"]) <= 2
+            assert row["predicted_cost_aware"] > 0 and row["efficiency"] > 0
+        if row["dataset"] == "code_tests":
+            assert row["tests_passed"] is not None  # random tiny models: the rate itself is meaningless
+        assert row["ttft_s"]["p50"] <= row["ttft_s"]["p99"]
+    for name in ("alpha_vs_gamma", "speedup_vs_gamma", "per_position_acceptance", "time_split"):
+        assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = doc.read_text()
+    assert "kept" in text and "<!-- bench:sweep -->" in text and "### Speedup over plain decoding, temperature 1" in text
+    assert (out / "report.md").read_text().startswith("## Sweep")
+
+    def no_workers(*args, **kwargs):
+        raise AssertionError("a cached cell ran again")
+
+    monkeypatch.setattr(subprocess, "Popen", no_workers)
+    capsys.readouterr()
+    assert main(argv) == 0  # every cell cached: the report is rebuilt without running anything
+    assert json.loads((out / "sweep.json").read_text())[0]["cell"] == results[0]["cell"]
