@@ -11,6 +11,7 @@ per dataset and temperature, with acceptance, tails, the time split and the anal
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -113,7 +114,9 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
                     setups.append(EngineSetup(**common, speculative_config=config))
                 elif method != "none":
                     setups.append(EngineSetup(**common, speculative_config={"method": method, "num_speculative_tokens": gamma}))
-    if not args.no_peers:
+    if not args.no_peers and importlib.util.find_spec("transformers") is None:
+        print("[sweep] transformers is not installed: the peers are skipped", file=sys.stderr)
+    elif not args.no_peers:
         peer = dict(engine="transformers", model=args.model, quantization=None, threads=args.threads)
         setups.append(EngineSetup(**peer))
         if "draft_model" in args.methods:
