@@ -63,7 +63,8 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     labels = {r["row"]["label"] for r in results}
     assert labels == {"specdec none", "specdec draft_model (tiny-draft) γ=2", "specdec ngram γ=2", "specdec suffix γ=2",
                       "transformers plain", "transformers assisted (heuristic γ)", "transformers prompt lookup (10)"}
-    assert len(results) == 7 * (2 * 2 + 1)  # setups × (datasets × temperatures + the quality set)
+    # specdec setups × (datasets × temperatures + the quality set) + peers × (datasets at temperature 0 + quality)
+    assert len(results) == 4 * (2 * 2 + 1) + 3 * (2 + 1)
     plain = {(r["row"]["dataset"], r["row"]["temperature"]): r for r in results if r["row"]["label"] == "specdec none"}
     for r in results:
         row, cell = r["row"], r["cell"]

@@ -21,7 +21,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-from specdec.bench.analysis import CellRow, cell_row, with_speedups
+from specdec.bench.analysis import cell_row, with_speedups
 from specdec.bench.cells import EngineSetup, Workload, cell_path
 from specdec.bench.dataset import DATASETS, load_prompts
 from specdec.bench.quality import QUALITY_DATASET
@@ -49,6 +49,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--repeat", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peers", action="store_true", help="skip transformers' plain / assisted / prompt lookup")
+    p.add_argument("--peer-temperatures", type=float, nargs="+", default=[0.0],
+                   help="temperatures the (float32, ~8× slower) transformers peers run at; default 0 keeps the "
+                        "default sweep under an hour here")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
     p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
                    help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
@@ -75,12 +78,15 @@ def main(argv: Sequence[str]) -> int:
     datasets = [*args.datasets, *args.dataset]
     for name in datasets:
         load_prompts(name)  # a bad name or file fails here, before anything runs
-    setups = engine_setups(args)
-    workloads = [Workload(d, t, args.num_prompts, args.max_tokens, args.repeat) for d in datasets for t in args.temperatures]
-    if args.quality:
-        tasks = len(load_prompts(QUALITY_DATASET))
-        workloads.append(Workload(QUALITY_DATASET, 0.0, tasks, args.quality_max_tokens, 1))
-    cells = run_sweep(setups, workloads, args.out / "cells")
+    def workloads(temperatures: list[float]) -> list[Workload]:
+        chosen = [Workload(d, t, args.num_prompts, args.max_tokens, args.repeat) for d in datasets for t in temperatures]
+        if args.quality:
+            chosen.append(Workload(QUALITY_DATASET, 0.0, len(load_prompts(QUALITY_DATASET)), args.quality_max_tokens, 1))
+        return chosen
+
+    plan = [(setup, workloads(args.peer_temperatures if setup.engine == "transformers" else args.temperatures))
+            for setup in engine_setups(args)]
+    cells = run_sweep(plan, args.out / "cells")
     rows = with_speedups([cell_row(c) for c in cells])
     from specdec.bench.plots import draw_all
     from specdec.bench.sweep_report import sweep_report
@@ -126,15 +132,15 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
     return setups
 
 
-def run_sweep(setups: list[EngineSetup], workloads: list[Workload], cells_dir: Path) -> list[dict[str, Any]]:
+def run_sweep(plan: list[tuple[EngineSetup, list[Workload]]], cells_dir: Path) -> list[dict[str, Any]]:
     """Every cell's result, running (one subprocess per setup) only the cells without a cached one."""
     from tqdm import tqdm
 
     cells_dir.mkdir(parents=True, exist_ok=True)
-    total = len(setups) * len(workloads)
-    cached = sum(cell_path(cells_dir, s, w).exists() for s in setups for w in workloads)
+    total = sum(len(workloads) for _, workloads in plan)
+    cached = sum(cell_path(cells_dir, s, w).exists() for s, workloads in plan for w in workloads)
     with tqdm(total=total, initial=cached, desc="sweep cells", unit="cell") as bar:
-        for setup in setups:
+        for setup, workloads in plan:
             missing = [w for w in workloads if not cell_path(cells_dir, setup, w).exists()]
             if not missing:
                 continue
@@ -150,11 +156,7 @@ def run_sweep(setups: list[EngineSetup], workloads: list[Workload], cells_dir: P
                 if worker.returncode != 0:
                     raise RuntimeError(f"worker {setup.label} failed (finished cells are kept; rerun to resume):\n"
                                        f"{log.read()[-4000:]}")
-    return [json.loads(cell_path(cells_dir, s, w).read_text()) for s in setups for w in workloads]
-
-
-def rows_by(rows: list[CellRow], **match: Any) -> list[CellRow]:
-    return [r for r in rows if all(getattr(r, k) == v for k, v in match.items())]
+    return [json.loads(cell_path(cells_dir, s, w).read_text()) for s, workloads in plan for w in workloads]
 
 
 if __name__ == "__main__":
