@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Any
 
+from specdec.bench.cells import EngineSetup
 from specdec.metrics import SpecStats, expected_length
 
 
@@ -80,9 +81,10 @@ def cell_row(cell: dict[str, Any]) -> CellRow:
     setup, workload = cell["setup"], cell["workload"]
     speeds = [p["tok_per_s"] for p in cell["passes"]]
     requests = [r for p in cell["passes"] for r in p["requests"]]
-    gamma = (setup.get("speculative_config") or {}).get("num_speculative_tokens") or setup.get("prompt_lookup_num_tokens") or 0
+    engine_setup = EngineSetup(**setup)
+    gamma = engine_setup.gamma
     row = CellRow(
-        label=cell["label"], engine=setup["engine"], method=_method(setup), gamma=gamma,
+        label=cell["label"], engine=setup["engine"], method=engine_setup.method, gamma=gamma,
         dataset=workload["dataset"], temperature=workload["temperature"],
         tok_per_s=(statistics.median(speeds), min(speeds), max(speeds)),
         ttft_s=_tails([r["ttft_s"] for r in requests]), tpot_s=_tails([r["tpot_s"] for r in requests]),
@@ -115,14 +117,6 @@ def cell_row(cell: dict[str, Any]) -> CellRow:
     row.predicted_seeds = seeds_speedup(row.alpha, gamma, row.c)
     row.predicted_cost_aware = cost_aware_speedup(tokens, forwards, total.num_spec_steps, total.num_draft_tokens, row.c, v)
     return row
-
-
-def _method(setup: dict[str, Any]) -> str:
-    if setup.get("speculative_config"):
-        return setup["speculative_config"]["method"]
-    if setup.get("assistant_model"):
-        return "assisted"
-    return "prompt_lookup" if setup.get("prompt_lookup_num_tokens") else "none"
 
 
 def _tails(values: list[float | None]) -> dict[str, float | None]:
