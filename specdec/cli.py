@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from specdec.config import QUANTIZATION_METHODS
 from specdec.models import zoo
 
+DEFAULT_MAX_GAMMA = 8  # the adaptive controller drafts up to this many; most steps it picks fewer
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
@@ -49,10 +51,17 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                      help="weight format of the model: auto (default: int8 on CPU), none (float weights) or int8")
+    # plain by default until adaptive γ holds all its gates (issue 7: within 5% of the best fixed γ is not met yet)
     gen.add_argument("--method", default="none",
-                     help="speculation method: none (default), draft_model, ngram (prompt lookup) or suffix (suffix decoding)")
+                     help="speculation method: none (default), auto (draft_model with the embedded 0.5B draft for the "
+                          "embedded target, none for other models), draft_model, ngram (prompt lookup) or suffix")
     gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL})")
-    gen.add_argument("--num-speculative-tokens", type=int, default=4, help="γ, tokens drafted per step")
+    gen.add_argument("--num-speculative-tokens", type=int, default=None,
+                     help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24)")
+    gen.add_argument("--no-adaptive", action="store_true",
+                     help="draft γ tokens every step instead of letting the engine choose γ from measured acceptance and cost")
+    gen.add_argument("--draft-confidence-threshold", type=float, default=None,
+                     help="draft_model: stop drafting after a token the draft gives less than this probability")
     gen.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram matched (vLLM rule: defaults to max)")
     gen.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram matched (default 5)")
     gen.add_argument("--draft-quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
@@ -95,10 +104,16 @@ def _generate(args: argparse.Namespace) -> int:
         print(f"[specdec] first use of {args.model}: assembling and converting its weights (about 2 minutes)", file=sys.stderr)
     start = time.perf_counter()
     speculative_config = None
-    if args.method != "none":
-        speculative_config = {"method": args.method, "num_speculative_tokens": args.num_speculative_tokens,
+    method = args.method
+    if method == "auto":  # the embedded pair speculates; another model has no known draft
+        method = "draft_model" if args.draft is not None or args.model == zoo.DEFAULT_MODEL else "none"
+    if method != "none":
+        gamma = args.num_speculative_tokens or (None if method == "suffix" else DEFAULT_MAX_GAMMA)
+        speculative_config = {"method": method, "num_speculative_tokens": gamma, "adaptive": not args.no_adaptive,
                               "model": args.draft, "quantization": _format(args.draft_quantization),
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
+        if args.draft_confidence_threshold is not None:
+            speculative_config["draft_confidence_threshold"] = args.draft_confidence_threshold
     llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
               quantization=_format(args.quantization), max_model_len=args.max_model_len)
     load_s = time.perf_counter() - start
@@ -128,10 +143,12 @@ def _generate(args: argparse.Namespace) -> int:
         print()  # end the streamed text's line
         m = final.metrics
         spec = ""
-        if m.speculative_decoding and m.speculative_decoding["num_spec_steps"]:
-            sd = m.speculative_decoding
+        sd = m.speculative_decoding
+        if sd and sd["num_spec_steps"]:
             spec = (f", acceptance {sd['draft_acceptance_rate']:.2f}, mean accepted length "
                     f"{sd['mean_acceptance_length']:.2f}, α {sd['alpha']:.2f}")
+        if sd:
+            spec += ", steps per γ " + " ".join(f"{g}:{n}" for g, n in enumerate(sd["gamma_histogram"]) if n)
         print(
             f"[specdec] {m.num_output_tokens} tokens, {m.tokens_per_s:.2f} tok/s, TTFT {m.ttft_s:.2f} s{spec}, "
             f"finish: {completion.finish_reason}",

@@ -112,6 +112,10 @@ class SpeculativeConfig:
       matches only within the request), `suffix_decoding_max_spec_factor` (a match of m tokens
       proposes at most m × factor tokens), `suffix_decoding_min_token_prob` (stop where the
       continuation's estimated probability falls below it). γ defaults to the tree depth.
+    Every method: `adaptive` (default True) lets the engine choose γ ≤ num_speculative_tokens each step
+    from measured acceptance and cost, plain steps included (engine/adaptive.py); False drafts γ every
+    step, as vLLM does. `draft_confidence_threshold`: a draft model stops drafting after a token it
+    gives less than this probability (HF's `assistant_confidence_threshold`; 0 disables).
     Options of other methods are ignored, as in vLLM.
     """
 
@@ -127,6 +131,8 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    adaptive: bool = True
+    draft_confidence_threshold: float = 0.0
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
@@ -155,6 +161,9 @@ class SpeculativeConfig:
                f"suffix_decoding_max_spec_factor must be > 0, got {self.suffix_decoding_max_spec_factor!r}")
         _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
+        _check(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
+        _check(_is_number(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold < 1,
+               f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}")
 
     @classmethod
     def from_value(cls, value: "SpeculativeConfig | Mapping | None") -> "SpeculativeConfig | None":

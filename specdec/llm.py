@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import itertools
 from collections.abc import Iterator, Mapping
 from collections.abc import Sequence as Seq
@@ -12,6 +11,7 @@ from typing import Any
 from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
+from specdec.engine.adaptive import AdaptiveGamma, StepCosts
 from specdec.engine.engine import Engine
 from specdec.engine.registry import build_proposer
 from specdec.engine.sequence import Sequence
@@ -35,7 +35,9 @@ class LLM:
     weights in `dtype`) or "int8"; the format used is in `llm.config.quantization`.
     `speculative_config` (vLLM names), e.g. `{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
     "num_speculative_tokens": 4, "quantization": "int8"}` (the draft's own format, "auto" by
-    default); None decodes without speculation.
+    default); None decodes without speculation. γ = num_speculative_tokens is the most a step drafts:
+    with `"adaptive": True` (default) the engine picks γ each step from measured acceptance and this
+    machine's measured cost curves (engine/adaptive.py), down to plain steps where drafting loses.
     """
 
     def __init__(
@@ -75,8 +77,11 @@ class LLM:
         self.config = dataclasses.replace(config, max_model_len=limit)
         proposer = None if spec is None else build_proposer(spec, decoder, self.config)
         self.speculative_config = spec
-        digest = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:8]
-        self._cost_key = f"{model_dir.name}-{digest}-{config.quantization or config.dtype}"
+        controller = None
+        if spec is not None and spec.adaptive:
+            # measured once per machine (tens of seconds for the 1.5B and its draft), then read from the cache
+            draft_curve = None if proposer.model is None else cached_cost_curve(proposer.model, zoo.cache_dir())
+            controller = AdaptiveGamma(StepCosts(cached_cost_curve(decoder, zoo.cache_dir()), draft_curve))
         self.engine = Engine(
             decoder,
             self.tokenizer,
@@ -84,6 +89,7 @@ class LLM:
             self.config,
             proposer=proposer,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
+            controller=controller,
         )
         self._request_ids = itertools.count()
 
@@ -93,7 +99,7 @@ class LLM:
     def cost_curve(self, refresh: bool = False) -> CostCurve:
         """The target's measured cost of a forward over k new tokens on this machine, in its weight
         format: measured once (tens of seconds for the 1.5B) and cached per machine."""
-        return cached_cost_curve(self.engine.model, zoo.cache_dir(), self._cost_key, refresh)
+        return cached_cost_curve(self.engine.model, zoo.cache_dir(), refresh)
 
     # --- generation -------------------------------------------------------------
     def generate(

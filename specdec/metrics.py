@@ -8,17 +8,27 @@ from dataclasses import dataclass, field
 @dataclass
 class SpecStats:
     """Counts only committed tokens: an accepted draft cut off by a stop is not counted.
-    A step without a proposal is a plain step and is not counted here."""
+    A step without a draft is a plain step: only `gamma_histogram[0]` counts it."""
 
     num_spec_steps: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     acceptance_histogram: list[int] = field(default_factory=list)  # accepted count per draft position
     draft_histogram: list[int] = field(default_factory=list)  # steps that drafted that far, per draft position
+    gamma_histogram: list[int] = field(default_factory=list)  # steps per γ verified (0: a plain step)
+    num_draft_forwards: int = 0  # forwards of a draft model (its catch-up and drafting)
+    num_draft_tokens_fed: int = 0  # tokens those forwards took in: one each, more where the draft caught up
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int) -> None:
+    def record(self, num_drafted: int, num_accepted: int, num_draft_forwards: int = 0, num_draft_tokens_fed: int = 0) -> None:
+        if len(self.gamma_histogram) <= num_drafted:
+            self.gamma_histogram.extend([0] * (num_drafted + 1 - len(self.gamma_histogram)))
+        self.gamma_histogram[num_drafted] += 1
+        self.num_draft_forwards += num_draft_forwards
+        self.num_draft_tokens_fed += num_draft_tokens_fed
+        if num_drafted == 0:
+            return
         self.num_spec_steps += 1
         self.num_draft_tokens += num_drafted
         self.num_accepted_tokens += num_accepted
@@ -32,8 +42,8 @@ class SpecStats:
 
     @classmethod
     def from_summary(cls, summary: dict) -> "SpecStats":
-        """Back from `summary()`, e.g. to add up the stats of many requests."""
-        return cls(**{f: summary[f] for f in cls.__dataclass_fields__})
+        """Back from `summary()`, e.g. to add up the stats of many requests (fields it lacks start empty)."""
+        return cls(**{f: summary[f] for f in cls.__dataclass_fields__ if f in summary})
 
     def merged(self, other: "SpecStats") -> "SpecStats":
         return SpecStats(
@@ -42,6 +52,9 @@ class SpecStats:
             self.num_accepted_tokens + other.num_accepted_tokens,
             _add(self.acceptance_histogram, other.acceptance_histogram),
             _add(self.draft_histogram, other.draft_histogram),
+            _add(self.gamma_histogram, other.gamma_histogram),
+            self.num_draft_forwards + other.num_draft_forwards,
+            self.num_draft_tokens_fed + other.num_draft_tokens_fed,
             self.draft_time_s + other.draft_time_s,
             self.verify_time_s + other.verify_time_s,
         )
@@ -61,6 +74,9 @@ class SpecStats:
             "draft_histogram": list(self.draft_histogram),
             # P(position i accepted | the step drafted position i): acceptance per position, not i.i.d.
             "per_position_acceptance": [a / d for a, d in zip(self.acceptance_histogram, self.draft_histogram)],
+            "gamma_histogram": list(self.gamma_histogram),
+            "num_draft_forwards": self.num_draft_forwards,
+            "num_draft_tokens_fed": self.num_draft_tokens_fed,
             "draft_time_s": self.draft_time_s,
             "verify_time_s": self.verify_time_s,
         }

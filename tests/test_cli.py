@@ -57,7 +57,7 @@ def test_generate_with_a_draft_model_prints_speculation_metrics(tiny_qwen, tiny_
     assert main(args + ["--json"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert plain["metrics"]["speculative_decoding"] is None
-    spec_args = args + ["--method", "draft_model", "--draft", str(tiny_qwen_draft), "--num-speculative-tokens", "3"]
+    spec_args = args + ["--method", "draft_model", "--draft", str(tiny_qwen_draft), "--num-speculative-tokens", "3", "--no-adaptive"]
     assert main(spec_args + ["--json"]) == 0
     spec = json.loads(capsys.readouterr().out)
     assert spec["token_ids"] == plain["token_ids"]  # greedy: identical output

@@ -23,11 +23,12 @@ def plain_greedy(tiny_qwen):
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))]
 
 
+@pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
 @pytest.mark.parametrize("gamma", [1, 3, 8])
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_greedy_output_is_token_identical_to_plain(name, gamma, tiny_qwen, plain_greedy):
+def test_greedy_output_is_token_identical_to_plain(name, gamma, adaptive, tiny_qwen, plain_greedy):
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3,
-              speculative_config={**CONFIGS[name], "num_speculative_tokens": gamma})
+              speculative_config={**CONFIGS[name], "num_speculative_tokens": gamma, "adaptive": adaptive})
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == plain_greedy
     stats = [o.metrics.speculative_decoding for o in outputs]
@@ -50,8 +51,8 @@ def test_no_match_means_plain_steps(tiny_qwen):
 @pytest.mark.parametrize("case", [SamplingParams(temperature=1.0), SamplingParams(temperature=0.7, top_k=5)],
                          ids=["temperature-1", "temperature-0.7-top-k-5"])
 @pytest.mark.parametrize("config", [
-    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
-    {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.0},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2, "adaptive": False},
+    {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.0, "adaptive": False},
 ], ids=["ngram", "suffix"])
 def test_first_two_tokens_are_distributed_as_the_target(config, case, small_vocab_pair):
     """A repeating prompt whose copy the target takes about half the time (found by trying random

@@ -82,7 +82,8 @@ def test_int8_greedy_speculation_is_token_identical_to_plain(gamma, tiny_qwen, t
     prompts = ["def add(a, b):", "x", "The quick brown fox jumps over the lazy dog. " * 3]
     plain = LLM(str(tiny_qwen), quantization="int8", max_model_len=256, max_num_seqs=3)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": gamma, "quantization": "int8"}
+    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": gamma, "quantization": "int8",
+            "adaptive": False}
     llm = LLM(str(tiny_qwen), quantization="int8", speculative_config=spec, max_model_len=256, max_num_seqs=3)
     assert isinstance(llm.engine.proposer.model.lm_head, Int8Linear)
     outputs = llm.generate(prompts, params)
@@ -92,14 +93,15 @@ def test_int8_greedy_speculation_is_token_identical_to_plain(gamma, tiny_qwen, t
 
 
 def test_formats_are_chosen_per_role(tiny_qwen, tiny_qwen_draft):
-    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 2, "quantization": "int8"}
+    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 2, "quantization": "int8",
+            "adaptive": False}
     llm = LLM(str(tiny_qwen), quantization=None, speculative_config=spec, max_model_len=64)
     assert isinstance(llm.engine.model.lm_head, PrepackedLinear) and llm.config.quantization is None
     assert isinstance(llm.engine.proposer.model.lm_head, Int8Linear)
 
 
 def test_auto_formats_are_the_measured_defaults(tiny_qwen, tiny_qwen_draft):
-    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 2}
+    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 2, "adaptive": False}
     llm = LLM(str(tiny_qwen), speculative_config=spec, max_model_len=64)  # "auto" for both roles
     assert llm.config.quantization == DEFAULT_TARGET_QUANTIZATION == "int8"
     assert isinstance(llm.engine.model.lm_head, Int8Linear)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from specdec import LLM, SamplingParams
@@ -19,7 +21,8 @@ def test_greedy_speculation_matches_plain_on_the_embedded_pair(quantization):
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm
     spec = LLM("qwen2.5-coder-1.5b", quantization=quantization, max_model_len=1024, max_num_seqs=3, speculative_config={
-        "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, "quantization": quantization})
+        "method": "draft_model", "model": "qwen2.5-coder-0.5b", "num_speculative_tokens": 4, "quantization": quantization,
+        "adaptive": False})
     outputs = spec.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == plain
     for out in outputs:
@@ -28,18 +31,35 @@ def test_greedy_speculation_matches_plain_on_the_embedded_pair(quantization):
         assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids)  # fewer target forwards than tokens
 
 
-def test_ngram_and_suffix_match_plain_on_the_1_5b():
-    """An edit task (copy-heavy): greedy identity, and most tokens come from accepted copies."""
+def test_adaptive_speculation_matches_plain_on_the_1_5b():
+    """An edit task (copy-heavy), γ chosen by the adaptive controller (the default) from this machine's
+    measured cost curves: greedy identity, and most tokens come from accepted drafts."""
     params = SamplingParams(temperature=0, max_tokens=128)
     outputs = {}
     for name, config in [("plain", None), ("ngram", {"method": "ngram", "num_speculative_tokens": 8,
                                                      "prompt_lookup_min": 2, "prompt_lookup_max": 5}),
-                         ("suffix", {"method": "suffix", "num_speculative_tokens": 16})]:
+                         ("suffix", {"method": "suffix", "num_speculative_tokens": 16}),
+                         ("draft_model", {"method": "draft_model", "num_speculative_tokens": 8})]:
         llm = LLM("qwen2.5-coder-1.5b", max_model_len=1024, speculative_config=config)
         prompt = render(load_prompts("edit")[0], llm.get_tokenizer())
         [outputs[name]] = llm.generate({"prompt_token_ids": prompt}, params)
         del llm
-    for name in ("ngram", "suffix"):
+    for name in ("ngram", "suffix", "draft_model"):
         out = outputs[name]
         assert out.outputs[0].token_ids == outputs["plain"].outputs[0].token_ids
-        assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids) / 2
+        assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids) / 2, name
+
+
+def test_generate_auto_speculates_with_the_embedded_pair(capsys):
+    """`specdec generate PROMPT --method auto`: the 0.5B drafts for the 1.5B with adaptive γ, and the greedy
+    text is plain decoding's (the default)."""
+    from specdec.cli import main
+
+    args = ["generate", "def quicksort(arr):", "--max-tokens", "48", "--json"]
+    assert main(args + ["--method", "auto"]) == 0
+    speculative = json.loads(capsys.readouterr().out)
+    assert main(args) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert speculative["token_ids"] == plain["token_ids"]
+    sd = speculative["metrics"]["speculative_decoding"]
+    assert sd["num_spec_steps"] > 0 and plain["metrics"]["speculative_decoding"] is None

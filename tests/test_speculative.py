@@ -19,7 +19,8 @@ PROMPTS = ["def add(a, b):", "x", "The quick brown fox jumps over"]
 # float32 target and draft throughout: the exact distributions come from transformers' float32 forward
 # (int8 speculation: test_quantization.py)
 def draft_config(draft, gamma: int = 3) -> dict:
-    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma, "quantization": None}
+    return {"method": "draft_model", "model": str(draft), "num_speculative_tokens": gamma, "quantization": None,
+            "adaptive": False}
 
 
 def spec_llm(target, draft, gamma, **kw) -> LLM:

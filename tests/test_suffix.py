@@ -72,7 +72,7 @@ def test_speculation_follows_the_most_frequent_continuation_while_likely():
 
 
 def _suffix_llm(model, **options) -> LLM:
-    return LLM(str(model), quantization=None, max_model_len=256, speculative_config={"method": "suffix", **options})
+    return LLM(str(model), quantization=None, max_model_len=256, speculative_config={"method": "suffix", "adaptive": False, **options})
 
 
 def _accepted(llm: LLM, prompt: str) -> tuple[list[int], int]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import subprocess
 
@@ -61,10 +62,11 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     assert main(argv) == 0
     results = json.loads((out / "sweep.json").read_text())
     labels = {r["row"]["label"] for r in results}
-    assert labels == {"specdec none", "specdec draft_model (tiny-draft) γ=2", "specdec ngram γ=2", "specdec suffix γ=2",
-                      "transformers plain", "transformers assisted (heuristic γ)", "transformers prompt lookup (10)"}
+    methods = ["draft_model (tiny-draft)", "ngram", "suffix"]
+    assert labels == {"specdec none", *(f"specdec {m} {s}" for m in methods for s in ("γ=2", "adaptive γ≤2", "heuristic γ≤2")),
+                      "transformers plain", "transformers assisted (its defaults)", "transformers prompt lookup (10)"}
     # specdec setups × (datasets × temperatures + the quality set) + peers × (datasets at temperature 0 + quality)
-    assert len(results) == 4 * (2 * 2 + 1) + 3 * (2 + 1)
+    assert len(results) == 10 * (2 * 2 + 1) + 3 * (2 + 1)
     plain = {(r["row"]["dataset"], r["row"]["temperature"]): r for r in results if r["row"]["label"] == "specdec none"}
     for r in results:
         row, cell = r["row"], r["cell"]
@@ -80,6 +82,19 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
             assert row["mean_accepted_length"] == pytest.approx(1 + accepted / steps)
             assert 0 <= row["alpha"] <= 1 and len(row["per_position"]) <= 2
             assert row["predicted_cost_aware"] > 0 and row["efficiency"] > 0
+        if row["schedule"]:  # every step counted once, priced by the cell's cost curves
+            requests = [q["speculative"] for p in cell["passes"] for q in p["requests"]]
+            steps = [sum(col) for col in itertools.zip_longest(*[q["gamma_histogram"] for q in requests], fillvalue=0)]
+            tokens = sum(len(q["tokens"]) for p in cell["passes"] for q in p["requests"])
+            assert sum(steps) == tokens - sum(q["num_accepted_tokens"] for q in requests)  # one bonus token per step
+            cost = cell["cost"]
+            units = sum(n * cost["v"][str(g + 1)] for g, n in enumerate(steps))
+            forwards = sum(q["num_draft_forwards"] for q in requests)
+            extra = sum(q["num_draft_tokens_fed"] for q in requests) - forwards
+            assert (extra > 0) == (forwards > 0)  # a draft model that ran prefilled its prompt in one forward
+            units += (forwards * cost.get("draft_ms_k1", 0) + extra * cost.get("draft_ms_per_extra_token", 0)) / cost["target_ms_k1"]
+            assert row["modeled_speedup"] == pytest.approx(tokens / units)
+            assert len(steps) <= 3  # γ ≤ 2
         if row["dataset"] == "code_tests":
             assert row["tests_passed"] is not None  # random tiny models: the rate itself is meaningless
         assert row["ttft_s"]["p50"] <= row["ttft_s"]["p99"]
@@ -87,6 +102,7 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = doc.read_text()
     assert "kept" in text and "<!-- bench:sweep -->" in text and "### Speedup over plain decoding, temperature 1" in text
+    assert "### γ schedules" in text
     assert (out / "report.md").read_text().startswith("## Sweep")
 
     def no_workers(*args, **kwargs):

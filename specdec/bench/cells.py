@@ -20,6 +20,9 @@ from specdec.bench.dataset import load_prompts, render
 from specdec.bench.quality import passes_tests
 
 
+LABELLED_OPTIONS = ("draft_confidence_threshold",)  # speculative options a setup's label shows
+
+
 @dataclass(frozen=True)
 class EngineSetup:
     """What a worker loads: specdec (target format, speculation) or a transformers peer."""
@@ -28,7 +31,8 @@ class EngineSetup:
     model: str
     quantization: str | None = "auto"  # specdec: the target's weight format
     speculative_config: dict | None = None  # specdec
-    assistant_model: str | None = None  # transformers assisted generation (its default heuristic schedule)
+    heuristic_schedule: bool = False  # specdec: γ from HF's +2/−1 schedule (engine/adaptive.HeuristicSchedule)
+    assistant_model: str | None = None  # transformers assisted generation (its defaults: 20 tokens, confidence 0.4)
     prompt_lookup_num_tokens: int | None = None  # transformers prompt lookup decoding
     threads: int = 2
 
@@ -49,9 +53,18 @@ class EngineSetup:
         return self.prompt_lookup_num_tokens or 0  # assisted: a schedule, not one γ
 
     @property
+    def schedule(self) -> str:
+        """How γ is chosen: "fixed", "adaptive", "heuristic"; "" without a specdec speculative config."""
+        if not self.speculative_config:
+            return ""
+        if self.heuristic_schedule:
+            return "heuristic"
+        return "adaptive" if self.speculative_config.get("adaptive", True) else "fixed"
+
+    @property
     def label(self) -> str:
         if self.engine == "transformers":
-            return {"none": "transformers plain", "assisted": "transformers assisted (heuristic γ)",
+            return {"none": "transformers plain", "assisted": "transformers assisted (its defaults)",
                     "prompt_lookup": f"transformers prompt lookup ({self.prompt_lookup_num_tokens})"}[self.method]
         formats = f" [{self.quantization or 'fp32'}]" if self.quantization != "auto" else ""
         config = self.speculative_config or {}
@@ -59,7 +72,10 @@ class EngineSetup:
         if config.get("model"):
             fmt = config.get("quantization", "auto")
             draft = f" ({Path(config['model']).name}" + (f", {fmt or 'fp32'}" if fmt != "auto" else "") + ")"
-        return f"specdec {self.method}{draft}" + (f" γ={self.gamma}" if self.gamma else "") + formats
+        gamma = {"fixed": f" γ={self.gamma}", "adaptive": f" adaptive γ≤{self.gamma}",
+                 "heuristic": f" heuristic γ≤{self.gamma}", "": ""}[self.schedule]
+        extra = "".join(f", {k}={v}" for k, v in config.items() if k in LABELLED_OPTIONS)
+        return f"specdec {self.method}{draft}{gamma}{extra}{formats}"
 
 
 @dataclass(frozen=True)
@@ -90,6 +106,7 @@ def run_worker(setup: EngineSetup, workloads: list[Workload], cells_dir: Path) -
         prompts = load_prompts(workload.dataset)[: workload.num_prompts]
         ids = [render(p, engine.tokenizer) for p in prompts]
         engine.generate(ids[0][:8], workload, seed=0)  # warm-up
+        engine.start_workload()
         passes, requests = [], []
         for _ in range(workload.repeat):
             start, count, requests = time.perf_counter(), 0, []
@@ -118,6 +135,18 @@ class _SpecdecEngine:
         self.tokenizer = self.llm.get_tokenizer()
         self.setup = setup
 
+    def start_workload(self) -> None:
+        """Each cell's timed requests start from a fresh γ controller, as on a fresh engine: what a controller
+        learns from the (truncated, unrepresentative) warm-up prompt or from the cells run before in this
+        worker does not carry into the cell."""
+        from specdec.engine.adaptive import AdaptiveGamma, HeuristicSchedule
+
+        engine = self.llm.engine
+        if self.setup.heuristic_schedule:
+            engine.controller = HeuristicSchedule(self.setup.gamma)
+        elif isinstance(engine.controller, AdaptiveGamma):
+            engine.controller = AdaptiveGamma(engine.controller.costs)
+
     def generate(self, ids: list[int], workload: Workload, seed: int) -> dict[str, Any]:
         from specdec import SamplingParams
 
@@ -129,15 +158,24 @@ class _SpecdecEngine:
                 "target_forwards": m.num_target_forwards, "speculative": m.speculative_decoding}
 
     def describe(self, ids: list[list[int]], workload: Workload) -> dict[str, Any]:
-        """The target's cost curve at this workload's mean context (cached per machine): what the
-        analytical model needs."""
+        """The target's (and draft model's) cost curve at this workload's mean context (cached per
+        machine): what the analytical model, and the cost-model judge of γ schedules, need."""
+        from specdec.models.cost_curve import cached_cost_curve
+        from specdec.models.zoo import cache_dir
+
         curve = self.llm.cost_curve()
         context = int(statistics.mean(len(p) for p in ids) + workload.max_tokens / 2)
         gamma = self.setup.gamma
+        cost = {"context": context, "target_ms_k1": curve.forward_ms(1, context),
+                "v": {k: curve.relative(k, context) for k in range(1, gamma + 2)}}
+        proposer = self.llm.engine.proposer
+        if proposer is not None and proposer.model is not None:
+            draft = cached_cost_curve(proposer.model, cache_dir())
+            cost["draft_ms_k1"] = draft.forward_ms(1, context)
+            # what each token beyond the first adds to a draft forward: its catch-ups feed many at once
+            cost["draft_ms_per_extra_token"] = (draft.forward_ms(32, context) - draft.forward_ms(1, context)) / 31
         return {"engine_format": self.llm.config.quantization or self.llm.config.dtype,
-                "eos_token_ids": sorted(self.llm.engine.rules.eos_token_ids),
-                "cost": {"context": context, "target_ms_k1": curve.forward_ms(1, context),
-                         "v": {k: curve.relative(k, context) for k in range(1, gamma + 2)}}}
+                "eos_token_ids": sorted(self.llm.engine.rules.eos_token_ids), "cost": cost}
 
 
 class _TransformersEngine:
@@ -157,6 +195,9 @@ class _TransformersEngine:
                 resolve_model_dir(setup.assistant_model), dtype=torch.float32).eval()
         if setup.prompt_lookup_num_tokens:
             self.options["prompt_lookup_num_tokens"] = setup.prompt_lookup_num_tokens
+
+    def start_workload(self) -> None:
+        pass
 
     def generate(self, ids: list[int], workload: Workload, seed: int) -> dict[str, Any]:
         import torch

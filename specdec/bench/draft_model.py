@@ -44,7 +44,7 @@ def main(argv: Sequence[str]) -> int:
         for draft_format in args.draft_formats:
             for i, gamma in enumerate(args.gammas):
                 config = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": gamma,
-                          "quantization": FORMATS[draft_format]}
+                          "quantization": FORMATS[draft_format], "adaptive": False}
                 specs.append(WorkerSpec("specdec", **common, quantization=quantization, speculative_config=config,
                                         measure_costs=i == 0))
     if not args.no_transformers:

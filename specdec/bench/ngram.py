@@ -53,12 +53,13 @@ def main(argv: Sequence[str]) -> int:
             for sizes in args.ngram_sizes:
                 low, high = _sizes(sizes)
                 config = {"method": "ngram", "num_speculative_tokens": gamma, "prompt_lookup_min": low,
-                          "prompt_lookup_max": high}
+                          "prompt_lookup_max": high, "adaptive": False}
                 specs.append(WorkerSpec("specdec", **common, repeat=args.repeat, quantization=quantization,
                                         speculative_config=config))
         for gamma in args.suffix_gammas:
             specs.append(WorkerSpec("specdec", **common, repeat=args.repeat, quantization=quantization,
-                                    speculative_config={"method": "suffix", "num_speculative_tokens": gamma}))
+                                    speculative_config={"method": "suffix", "num_speculative_tokens": gamma,
+                                                        "adaptive": False}))
         if not args.no_transformers:
             specs += [
                 WorkerSpec("transformers", **common, repeat=args.hf_repeat),

@@ -13,13 +13,41 @@ def draw_all(rows: list[CellRow], directory: Path) -> list[Path]:
 
     matplotlib.use("Agg")
     directory.mkdir(parents=True, exist_ok=True)
-    spec = [r for r in rows if r.engine == "specdec" and r.alpha is not None]
+    spec = [r for r in rows if r.engine == "specdec" and r.alpha is not None and r.schedule == "fixed"]
     if not spec:
         return []
-    return [alpha_vs_gamma(spec, directory / "alpha_vs_gamma.png"),
-            speedup_vs_gamma(spec, directory / "speedup_vs_gamma.png"),
-            per_position(spec, directory / "per_position_acceptance.png"),
-            time_split(rows, directory / "time_split.png")]
+    paths = [alpha_vs_gamma(spec, directory / "alpha_vs_gamma.png"),
+             speedup_vs_gamma(spec, directory / "speedup_vs_gamma.png"),
+             per_position(spec, directory / "per_position_acceptance.png"),
+             time_split(rows, directory / "time_split.png")]
+    if any(r.schedule == "adaptive" for r in rows):
+        paths.append(schedules(rows, directory / "schedules.png"))
+    return paths
+
+
+def schedules(rows: list[CellRow], path: Path) -> Path:
+    """Modeled speedup per cell: the best fixed γ (plain included), the adaptive controller, HF's heuristic."""
+    import matplotlib.pyplot as plt
+
+    methods = sorted({r.method for r in rows if r.schedule == "adaptive"})
+    figure, axes = plt.subplots(len(methods), 1, figsize=(12, 3.2 * len(methods)), squeeze=False)
+    for ax, method in zip(axes[:, 0], methods):
+        cells = sorted({(r.dataset, r.temperature) for r in rows if r.method == method and r.schedule == "adaptive"})
+        def value(schedule: str, cell: tuple[str, float]) -> float:
+            found = [r.modeled_speedup for r in rows if r.method == method and r.schedule == schedule
+                     and (r.dataset, r.temperature) == cell and r.modeled_speedup is not None]
+            return max([1.0, *found]) if schedule == "fixed" else (found[0] if found else 0.0)
+        x = range(len(cells))
+        for offset, (schedule, label) in enumerate([("fixed", "best fixed γ (or plain)"), ("adaptive", "adaptive"),
+                                                    ("heuristic", "HF heuristic")]):
+            ax.bar([i + (offset - 1) * 0.27 for i in x], [value(schedule, c) for c in cells], width=0.27, label=label)
+        ax.axhline(1.0, color="black", linewidth=0.8)
+        ax.set_xticks(list(x), [f"{d}\nT={t:g}" for d, t in cells], fontsize=7)
+        ax.set_ylabel(f"{method}\nmodeled speedup")
+        ax.legend(fontsize=7, ncol=3)
+    figure.suptitle("modeled speedup over plain decoding (step counts × measured cost curves)", fontsize=10)
+    figure.tight_layout()
+    return _save(figure, path)
 
 
 def _grid(rows: list[CellRow], title: str):

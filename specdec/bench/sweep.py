@@ -29,6 +29,7 @@ from specdec.bench.report import publish
 from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 METHODS = ("none", "draft_model", "ngram", "suffix")
+SCHEDULES = ("fixed", "adaptive", "heuristic")
 FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
 
 
@@ -39,6 +40,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", nargs="+", default=[DEFAULT_DRAFT_MODEL], help="draft models for draft_model")
     p.add_argument("--methods", nargs="+", default=["none", "draft_model", "ngram"], choices=METHODS)
     p.add_argument("--gammas", type=int, nargs="+", default=[0, 2, 4, 8], help="γ values; 0 is plain decoding")
+    p.add_argument("--schedules", nargs="+", default=["fixed", "adaptive"], choices=SCHEDULES,
+                   help="how γ is chosen: fixed (each γ of --gammas), adaptive (the engine's controller, γ up to the "
+                        "largest of --gammas), heuristic (HF's +2/−1 schedule from that γ)")
     p.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 1.0])
     p.add_argument("--datasets", nargs="+", default=list(DATASETS))
     p.add_argument("--dataset", action="append", default=[], help="also a user's JSONL prompt file (repeatable)")
@@ -53,6 +57,9 @@ def parser() -> argparse.ArgumentParser:
                    help="temperatures the (float32, ~8× slower) transformers peers run at; default 0 keeps the "
                         "default sweep under an hour here")
     p.add_argument("--hf-lookup-tokens", type=int, default=10, help="transformers' prompt_lookup_num_tokens")
+    p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
+                   help="an extra speculative_config entry for every specdec speculative setup, e.g. "
+                        "draft_confidence_threshold=0.4 (VALUE read as JSON where it parses; repeatable)")
     p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
                    help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
     p.add_argument("--quality", action="store_true",
@@ -62,7 +69,9 @@ def parser() -> argparse.ArgumentParser:
                    help="tiny random models built on the spot, 2 prompts × 8 tokens, γ 0 and 2: seconds, for CI")
     p.add_argument("--out", type=Path, default=Path("bench-results/sweep"))
     p.add_argument("--plot-dir", type=Path, default=None, help="where the PNGs go (default: OUT)")
-    p.add_argument("--update", type=Path, default=None, help="rewrite this Markdown file's sweep section")
+    p.add_argument("--update", type=Path, default=None, help="rewrite this Markdown file's section (see --section)")
+    p.add_argument("--section", default="sweep", help="the <!-- bench:NAME --> section --update rewrites")
+    p.add_argument("--no-cell-table", action="store_true", help="leave the every-cell table out of the Markdown")
     return p
 
 
@@ -75,6 +84,7 @@ def main(argv: Sequence[str]) -> int:
         args.model, args.draft = str(target), [str(draft)]
         args.num_prompts, args.max_tokens, args.gammas = 2, 8, [0, 2]
         args.methods = ["none", "draft_model", "ngram", "suffix"]
+        args.schedules = list(SCHEDULES)
     datasets = [*args.datasets, *args.dataset]
     for name in datasets:
         load_prompts(name)  # a bad name or file fails here, before anything runs
@@ -94,7 +104,7 @@ def main(argv: Sequence[str]) -> int:
     plots = draw_all(rows, args.plot_dir or args.out)
     table = sweep_report(rows, args, argv, plots)
     (args.out / "report.md").write_text(table + "\n")
-    publish("sweep", [{"cell": c, "row": asdict(r)} for c, r in zip(cells, rows)], table, args.out, args.update)
+    publish(args.section, [{"cell": c, "row": asdict(r)} for c, r in zip(cells, rows)], table, args.out, args.update)
     return 0
 
 
@@ -105,21 +115,25 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
         common = dict(engine="specdec", model=args.model, quantization=quantization, threads=args.threads)
         if "none" in args.methods or 0 in args.gammas:
             setups.append(EngineSetup(**common))
-        for method in args.methods:
-            for gamma in (g for g in args.gammas if g > 0):
+        gammas = [g for g in args.gammas if g > 0]
+        schedules = [(g, "fixed") for g in gammas if "fixed" in args.schedules]
+        schedules += [(max(gammas), s) for s in ("adaptive", "heuristic") if s in args.schedules and gammas]
+        for method in (m for m in args.methods if m != "none"):
+            for gamma, schedule in schedules:
+                config = {"method": method, "num_speculative_tokens": gamma, "adaptive": schedule == "adaptive",
+                          **_spec_options(args.spec_option)}
+                heuristic = schedule == "heuristic"
                 if method == "draft_model":
                     for draft in args.draft:
                         for draft_fmt in args.draft_formats:
-                            config = {"method": method, "num_speculative_tokens": gamma, "model": draft,
-                                      "quantization": FORMATS[draft_fmt]}
-                            setups.append(EngineSetup(**common, speculative_config=config))
+                            setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
+                                **config, "model": draft, "quantization": FORMATS[draft_fmt]}))
                 elif method == "ngram":
                     low, high = args.prompt_lookup
-                    config = {"method": method, "num_speculative_tokens": gamma, "prompt_lookup_min": low,
-                              "prompt_lookup_max": high}
-                    setups.append(EngineSetup(**common, speculative_config=config))
-                elif method != "none":
-                    setups.append(EngineSetup(**common, speculative_config={"method": method, "num_speculative_tokens": gamma}))
+                    setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
+                        **config, "prompt_lookup_min": low, "prompt_lookup_max": high}))
+                else:
+                    setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=config))
     if not args.no_peers and importlib.util.find_spec("transformers") is None:
         print("[sweep] transformers is not installed: the peers are skipped", file=sys.stderr)
     elif not args.no_peers:
@@ -130,6 +144,19 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
         if "ngram" in args.methods:
             setups.append(EngineSetup(**peer, prompt_lookup_num_tokens=args.hf_lookup_tokens))
     return setups
+
+
+def _spec_options(items: list[str]) -> dict[str, Any]:
+    options = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ValueError(f"--spec-option takes KEY=VALUE, got {item!r}")
+        try:
+            options[key] = json.loads(value)
+        except json.JSONDecodeError:
+            options[key] = value
+    return options
 
 
 def run_sweep(plan: list[tuple[EngineSetup, list[Workload]]], cells_dir: Path) -> list[dict[str, Any]]:

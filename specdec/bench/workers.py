@@ -33,7 +33,7 @@ class WorkerSpec:
     quantization: str | None = None  # specdec: the target's weight format
     speculative_config: dict | None = None  # specdec
     assistant_model: str | None = None  # transformers assisted generation
-    assistant_schedule: str | None = None  # "constant" | None (transformers' default heuristic)
+    assistant_schedule: str | None = None  # "constant" | "heuristic" | None (transformers' default: constant 20, confidence 0.4)
     num_assistant_tokens: int | None = None
     prompt_lookup_num_tokens: int | None = None  # transformers prompt lookup decoding
     ignore_eos: bool = True  # False: stop at EOS, as a user would (edit tasks that end)
@@ -45,7 +45,7 @@ class WorkerSpec:
             config = self.speculative_config
             if config["method"] != "draft_model":
                 options = "".join(f", {k.removeprefix('suffix_decoding_')}={v}" for k, v in config.items()
-                                  if k not in ("method", "num_speculative_tokens"))
+                                  if k not in ("method", "num_speculative_tokens", "adaptive"))
                 return f"specdec {config['method']} γ={config.get('num_speculative_tokens')}{options}" + (
                     f" [{self.quantization}]" if self.quantization else "")
             formats = f" [{self.quantization or 'fp32'} + {config.get('quantization') or 'fp32'} draft]" if self.quantization or config.get("quantization") else ""
@@ -53,7 +53,7 @@ class WorkerSpec:
         if self.prompt_lookup_num_tokens:
             return f"transformers prompt lookup ({self.prompt_lookup_num_tokens} tokens)"
         if self.assistant_model:
-            schedule = self.assistant_schedule or "heuristic"
+            schedule = self.assistant_schedule or "defaults: 20, confidence 0.4"
             gamma = f" γ={self.num_assistant_tokens}" if self.num_assistant_tokens else ""
             return f"transformers assisted ({schedule}{gamma})"
         return f"{self.engine} plain" + (f" [{self.quantization}]" if self.quantization else "")
@@ -157,7 +157,7 @@ def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1,
     target = measure_cost_curve(llm.engine.model, ks, (context,)).ms[context]
     proposer = llm.engine.proposer
     draft = None
-    if proposer is not None and hasattr(proposer, "model"):
+    if proposer is not None and proposer.model is not None:
         draft = measure_cost_curve(proposer.model, (1,), (context,)).ms[context]
     return {"context_tokens": context, "target_ms": target, "draft_ms": draft}
 

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from specdec.config import EngineConfig, SamplingParams
+from specdec.engine.adaptive import FixedGamma, GammaController
 from specdec.engine.sequence import Sequence, SequenceStatus
 from specdec.engine.stopping import StopRules, append_tokens, finish, start_detokenizer
 from specdec.kv_cache import KVCache
@@ -35,10 +36,12 @@ class Engine:
         config: EngineConfig,
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
+        controller: GammaController | None = None,
     ) -> None:
         self.model = model
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
+        self.controller: GammaController = controller or FixedGamma()  # γ per sequence per step, ≤ the maximum
         self.config = config
         self.cache: KVCache = model.new_kv_cache(config.max_num_seqs, config.max_model_len)
         self.rules = StopRules(tokenizer, frozenset(eos_token_ids), config.max_model_len)
@@ -126,11 +129,12 @@ class Engine:
             seq.num_forwards += 1
             if seq not in completing_set:
                 continue  # prompt still prefilling
-            draft_tokens, q = drafts.get(seq, ([], None))
+            draft_tokens, q, draft_work = drafts.get(seq, ([], None, (0, 0)))
             verified = _verify(seq, seq_logits, draft_tokens, q)
             kept = append_tokens(seq, verified.tokens[0], self.rules)
-            if draft_tokens and seq.spec_stats is not None:
-                seq.spec_stats.record(len(draft_tokens), min(verified.num_accepted[0], kept))
+            if seq.spec_stats is not None:
+                self.controller.observe(seq, len(draft_tokens), verified.num_accepted[0])
+                seq.spec_stats.record(len(draft_tokens), min(verified.num_accepted[0], kept), *draft_work)
             ready.append(seq)
         verify_time = time.perf_counter() - start
 
@@ -148,19 +152,21 @@ class Engine:
 
     def _propose(
         self, seqs: list[Sequence], room: dict[Sequence, int]
-    ) -> dict[Sequence, tuple[list[int], torch.Tensor | None]]:
-        """Each sequence's draft tokens and q (None for deterministic drafts); none without a proposer."""
+    ) -> dict[Sequence, tuple[list[int], torch.Tensor | None, tuple[int, int]]]:
+        """Each sequence's draft tokens, q (None for deterministic drafts) and the draft-model work it took
+        (forwards, tokens fed); the controller picks γ and trims the draft. None without a proposer."""
         if self.proposer is None or not seqs:
             return {}
-        gammas = [min(self._gamma(s), max(0, room[s])) for s in seqs]
+        gammas = [self.controller.choose(s, min(self._gamma(s), max(0, room[s]))) for s in seqs]
         if not any(gammas):
             return {}
         draft = self.proposer.propose(seqs, gammas)
         drafts = {}
         for i, seq in enumerate(seqs):
-            n = min(draft.num_tokens[i], gammas[i])
-            if n > 0:
-                drafts[seq] = (draft.tokens[i, :n].tolist(), None if draft.q is None else draft.q[i, :n])
+            n = self.controller.trim(seq, min(draft.num_tokens[i], gammas[i]))
+            work = (0, 0) if draft.num_forwards is None else (draft.num_forwards[i], draft.num_tokens_fed[i])
+            if n > 0 or work[0]:
+                drafts[seq] = (draft.tokens[i, :n].tolist(), None if draft.q is None else draft.q[i, :n], work)
         return drafts
 
     def _gamma(self, seq: Sequence) -> int:
@@ -184,6 +190,7 @@ class Engine:
             seq.slot = None
         if self.proposer is not None:
             self.proposer.release(seq)
+            self.controller.release(seq)
         if seq in self.running:
             self.running.remove(seq)
 

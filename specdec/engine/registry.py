@@ -25,7 +25,7 @@ def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig)
             f"draft model {name!r} has vocabulary size {draft.config.vocab_size}, the target "
             f"{target.config.vocab_size}: a draft must share the target's tokenizer"
         )
-    return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len)
+    return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len, spec.draft_confidence_threshold)
 
 
 def _no_model(spec: SpeculativeConfig) -> None:

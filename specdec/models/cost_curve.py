@@ -21,7 +21,10 @@ import torch
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
 
-DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+# up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
+# priced from them: per token it costs far more than the slope of the small-k end suggests)
+DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
+CURVE_VERSION = 2  # in the cache file's name: curves measured over other ks are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
@@ -37,7 +40,9 @@ class CostCurve:
         return sorted(self.ms)
 
     def forward_ms(self, k: int, context: int) -> float:
-        """Interpolated linearly in k and in context (clamped to the measured contexts)."""
+        """Interpolated linearly in k and in context (clamped to the measured contexts). A forward over more
+        tokens never costs less: each measured point is raised to the largest one at a smaller k (medians
+        still dip by a few percent, e.g. k = 4 below k = 3, and a controller would chase the dip)."""
         if k < 1:
             raise ValueError(f"a forward has at least one new token, got k={k}")
         contexts = self.contexts
@@ -65,6 +70,7 @@ class CostCurve:
 
 
 def _interpolate(row: dict[int, float], k: int) -> float:
+    row = monotone(row)
     ks = sorted(row)
     if k in row:
         return row[k]
@@ -74,6 +80,15 @@ def _interpolate(row: dict[int, float], k: int) -> float:
     b = next(x for x in ks if x > k)
     a = max(x for x in ks if x < k)
     return row[a] + (row[b] - row[a]) * (k - a) / (b - a)
+
+
+def monotone(row: dict[int, float]) -> dict[int, float]:
+    """Each value raised to the largest one at a smaller key (the running maximum over sorted keys)."""
+    out, top = {}, float("-inf")
+    for k in sorted(row):
+        top = max(top, row[k])
+        out[k] = top
+    return out
 
 
 @torch.inference_mode()
@@ -121,7 +136,7 @@ def machine_fingerprint() -> str:
 
 def cost_curve_path(cache_dir: Path, model_key: str) -> Path:
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_key)
-    return cache_dir / "cost" / machine_fingerprint() / f"{safe}.json"
+    return cache_dir / "cost" / machine_fingerprint() / f"{safe}.v{CURVE_VERSION}.json"
 
 
 def save_cost_curve(path: Path, curve: CostCurve) -> None:
@@ -131,9 +146,10 @@ def save_cost_curve(path: Path, curve: CostCurve) -> None:
     tmp.replace(path)
 
 
-def cached_cost_curve(model: Decoder, cache_dir: Path, model_key: str, refresh: bool = False) -> CostCurve:
-    """The curve for this model and format on this machine: read from the cache, or measured once."""
-    path = cost_curve_path(cache_dir, model_key)
+def cached_cost_curve(model: Decoder, cache_dir: Path, refresh: bool = False) -> CostCurve:
+    """The curve for this model and format (`model.name`) on this machine: read from the cache, or
+    measured once."""
+    path = cost_curve_path(cache_dir, model.name)
     if path.exists() and not refresh:
         return CostCurve.from_json(json.loads(path.read_text()))
     curve = measure_cost_curve(model)

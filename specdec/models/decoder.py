@@ -101,7 +101,9 @@ class Decoder:
         lm_head: Linear,
         inv_freq: torch.Tensor,
         attention_scaling: float = 1.0,
+        name: str = "decoder",
     ) -> None:
+        self.name = name  # the checkpoint and weight format: what a measured cost curve is kept under
         self.config = config
         self.embed = embed
         self.layers = layers

@@ -121,7 +121,14 @@ def load_decoder(
         lm_head=linear(embed if lm_head is None else lm_head, None),
         inv_freq=inv_freq.to(device),
         attention_scaling=scaling,
+        name=decoder_name(model_dir, quantization or str(dtype).removeprefix("torch.")),
     )
+
+
+def decoder_name(model_dir: Path, weight_format: str) -> str:
+    """`<dir name>-<hash of its path>-<format>`: one loaded checkpoint in one weight format."""
+    digest = hashlib.sha256(str(model_dir.resolve()).encode()).hexdigest()[:8]
+    return f"{model_dir.name}-{digest}-{weight_format}"
 
 
 def _read_safetensors(model_dir: Path) -> dict[str, torch.Tensor]:

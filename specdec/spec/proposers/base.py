@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from specdec.engine.sequence import Sequence
+from specdec.models.decoder import Decoder
 
 
 @dataclass(frozen=True)
@@ -21,6 +22,8 @@ class Draft:
     tokens: torch.Tensor  # [B, γ_max] long; row i is valid up to num_tokens[i]
     num_tokens: list[int]  # γ_i proposed for each sequence
     q: torch.Tensor | None  # [B, γ_max, V] processed draft distributions; None = deterministic
+    num_forwards: list[int] | None = None  # draft-model forwards run for each sequence; None = no model ran
+    num_tokens_fed: list[int] | None = None  # tokens those forwards took in (a catch-up feeds several at once)
 
     @classmethod
     def empty(cls, batch: int) -> "Draft":
@@ -37,6 +40,8 @@ class Draft:
 
 class Proposer(Protocol):
     needs_hidden_states: bool  # whether propose() reads the target's hidden states (EAGLE, MTP)
+    # the draft's own model, whose measured cost curve prices drafting; None where drafting costs next to nothing
+    model: Decoder | None
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
         """Up to num_tokens[i] draft tokens continuing each sequence's committed tokens."""

@@ -4,6 +4,10 @@ The draft keeps its own KV slot per sequence. Each step it first catches up on t
 has not seen (the prompt, then the last accepted token and the bonus), then samples γ tokens
 autoregressively from q, its processed distribution under the request's SamplingParams.
 After verification it rolls back to the longest prefix that the sequence still agrees with.
+
+A row stops drafting after a token the draft itself gives less than `confidence_threshold`
+(HF's `assistant_confidence_threshold`): past an unlikely token, further drafts are mostly
+rejected, and each costs a draft forward.
 """
 
 from __future__ import annotations
@@ -22,8 +26,9 @@ from specdec.spec.proposers.base import Draft
 class DraftModelProposer:
     needs_hidden_states = False
 
-    def __init__(self, model: Decoder, max_num_seqs: int, max_model_len: int) -> None:
+    def __init__(self, model: Decoder, max_num_seqs: int, max_model_len: int, confidence_threshold: float = 0.0) -> None:
         self.model = model
+        self.confidence_threshold = confidence_threshold
         self.cache = model.new_kv_cache(max_num_seqs, max_model_len)
         self._slots: dict[Sequence, int] = {}
 
@@ -37,18 +42,30 @@ class DraftModelProposer:
         sampled = any(not seqs[i].params.greedy for i in active)
         q = torch.zeros(len(seqs), gamma_max, self.model.config.vocab_size) if sampled else None
         feed = {i: self._unseen_tokens(seqs[i]) for i in active}
+        catch_up = {i: len(feed[i]) for i in active}  # the first forward feeds every token the draft has not seen
+        drafted = [0] * len(seqs)
+        stopped: set[int] = set()  # rows whose last draft was unlikely under the draft itself
         for step in range(gamma_max):
-            rows = [i for i in active if num_tokens[i] > step]
+            rows = [i for i in active if num_tokens[i] > step and i not in stopped]
+            if not rows:
+                break
             inputs = [SequenceInput(self._slots[seqs[i]], feed[i], num_logits=1) for i in rows]
             batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in inputs])
             logits = self.model.forward(batch, self.cache).logits
             probs = processed_probs(logits, [seqs[i].params for i in rows])
-            drawn = sample(probs, [seqs[i].generator for i in rows]).tolist()
+            drawn = sample(probs, [seqs[i].generator for i in rows])
+            confident = _confidence(logits, probs, drawn, [seqs[i].params for i in rows]) >= self.confidence_threshold
             for k, i in enumerate(rows):
-                tokens[i, step], feed[i] = drawn[k], [drawn[k]]
+                tokens[i, step], feed[i] = int(drawn[k]), [int(drawn[k])]
+                # the unlikely token is still verified (it is drawn, and one more verified row costs little);
+                # the row drafts no further
+                drafted[i] = step + 1
+                if not confident[k]:
+                    stopped.add(i)
                 if q is not None:
                     q[i, step] = probs[k]
-        return Draft(tokens, list(num_tokens), q)
+        fed = [catch_up[i] + n - 1 if n else 0 for i, n in enumerate(drafted)]  # one forward per drafted token
+        return Draft(tokens, drafted, q, num_forwards=drafted, num_tokens_fed=fed)
 
     def observe(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
@@ -66,3 +83,14 @@ class DraftModelProposer:
         if seq not in self._slots:
             self._slots[seq] = self.cache.allocate()
         return seq.token_ids_from(self.cache.length(self._slots[seq]))
+
+
+def _confidence(logits: torch.Tensor, probs: torch.Tensor, drawn: torch.Tensor, params: Seq) -> torch.Tensor:
+    """The draft's probability of each drawn token: under q where sampled; under the unscaled softmax
+    for greedy rows, whose q is one-hot."""
+    confidence = probs.gather(-1, drawn[:, None])[:, 0]
+    greedy = [k for k, p in enumerate(params) if p.greedy]
+    if greedy:
+        rows = torch.tensor(greedy)
+        confidence[rows] = logits[rows].float().softmax(-1).gather(-1, drawn[rows, None])[:, 0]
+    return confidence

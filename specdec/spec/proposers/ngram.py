@@ -58,6 +58,7 @@ def continuation(tokens: Seq[int], start: int, num_tokens: int) -> list[int]:
 
 class NgramProposer:
     needs_hidden_states = False
+    model = None  # a lookup, next to free beside a target forward
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n

@@ -137,6 +137,7 @@ def best_speculation(
 
 class SuffixProposer:
     needs_hidden_states = False
+    model = None  # a lookup, next to free beside a target forward
 
     def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float) -> None:
         self.max_depth = max_depth

@@ -1,0 +1,268 @@
+"""The γ controller: synthetic acceptance and cost curves (no models), then end to end on tiny models
+(greedy identity and the sampled distribution with adaptive γ and the draft's confidence stop)."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from conftest import NUM_SAMPLES, chi_square_pvalue, exact_first_two, sampled_first_two
+from specdec import LLM, SamplingParams
+from specdec.engine.adaptive import AcceptanceEstimate, AdaptiveGamma, HeuristicSchedule, StepCosts, expected_tokens
+from specdec.engine.sequence import Sequence
+from specdec.models.cost_curve import CostCurve
+
+
+def curve(ms_of_k) -> CostCurve:
+    ks = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+    row = {k: float(ms_of_k(k)) for k in ks}
+    return CostCurve({128: row, 1024: dict(row)}, {128: {k: (v, v) for k, v in row.items()}, 1024: {k: (v, v) for k, v in row.items()}})
+
+
+FLAT = curve(lambda k: 10.0)  # verification free up to 32 tokens: the GPU picture
+STEEP = curve(lambda k: 10.0 * k)  # every verified token costs a full step: compute-bound
+# close to this machine's int8 1.5B target and int8 0.5B draft at ~128 tokens of context (smoothed)
+INT8_TARGET = curve(lambda k: 36 + 3 * k)
+INT8_DRAFT = curve(lambda k: 19.5 + 0.65 * k)
+
+
+def sequence(length: int = 100, max_tokens: int = 100_000) -> Sequence:
+    return Sequence("r", 0, [1] * length, SamplingParams(max_tokens=max_tokens), torch.Generator())
+
+
+def run(controller, accept, steps: int, gamma_max: int = 8, seed: int = 0, seq: Sequence | None = None) -> list[int]:
+    """Drive the controller as the engine does: choose, draft γ (all offered), trim, verify with
+    position i accepted with probability accept(i) given the ones before; returns the γ verified per step."""
+    rng = random.Random(seed)
+    own = seq is None
+    seq = seq or sequence()
+    chosen = []
+    for _ in range(steps):
+        gamma = controller.trim(seq, controller.choose(seq, gamma_max))
+        accepted = 0
+        while accepted < gamma and rng.random() < accept(accepted):
+            accepted += 1
+        controller.observe(seq, gamma, accepted)
+        seq.output_token_ids.extend([1] * (accepted + 1))
+        chosen.append(gamma)
+    if own:
+        controller.release(seq)  # the engine learns from finished sequences
+    return chosen
+
+
+def speed_over_plain(costs: StepCosts, accept, seed: int = 0, steps: int = 300, gamma: int | None = None) -> float:
+    """Tokens per modeled ms of the adaptive controller (or a fixed γ) ÷ plain decoding's, with the draft
+    model's catch-up after plain steps priced in."""
+    rng = random.Random(seed)
+    controller = AdaptiveGamma(costs)
+    seq = sequence()
+    tokens, ms, unseen = 0, 0.0, 1
+    for _ in range(steps):
+        g = gamma if gamma is not None else controller.trim(seq, controller.choose(seq, 8))
+        accepted = 0
+        while accepted < g and rng.random() < accept(accepted):
+            accepted += 1
+        controller.observe(seq, g, accepted)
+        ms += costs.draft_ms(g, 128, unseen) + costs.verify_ms(g + 1, 128)
+        unseen = 1 if g else unseen + 1
+        tokens += accepted + 1
+    return tokens / ms * costs.verify_ms(1, 128)
+
+
+def test_high_acceptance_and_flat_verification_draft_the_most():
+    chosen = run(AdaptiveGamma(StepCosts(FLAT)), lambda i: 0.95, 60)
+    assert chosen[-20:] == [8] * 20
+
+
+@pytest.mark.parametrize("costs, accept", [
+    (StepCosts(INT8_TARGET, INT8_DRAFT), 0.1),  # low acceptance
+    (StepCosts(STEEP), 0.9),  # verification as costly as decoding, even at high acceptance
+    (StepCosts(FLAT, FLAT), 0.9),  # a draft as costly as the target
+], ids=["low-acceptance", "steep-verification", "costly-draft"])
+def test_speculation_turns_itself_off_where_it_loses(costs, accept):
+    chosen = run(AdaptiveGamma(costs), lambda i: accept, 300)
+    assert chosen[-200:].count(0) >= 0.5 * 200  # plain steps, and probes (one token) within their budget
+    assert max(chosen[-200:]) <= 1
+    for seed in range(3):
+        assert speed_over_plain(costs, lambda i: accept, seed) >= 0.97
+        assert speed_over_plain(costs, lambda i: accept, seed, gamma=2) < 0.97  # where fixed γ loses
+
+
+@pytest.mark.parametrize("accept", [0.6, 0.8, 0.95])
+def test_adaptive_is_near_the_best_fixed_gamma(accept):
+    """Mean over seeds, against the fixed γ with the best mean: the learning from a 0.5 prior included."""
+    costs = StepCosts(INT8_TARGET, curve(lambda k: 4.0 + 0.1 * k))  # a cheap draft: c ≈ 0.1
+    best = max(sum(speed_over_plain(costs, lambda i: accept, seed, gamma=g) for seed in range(4)) for g in range(9))
+    assert sum(speed_over_plain(costs, lambda i: accept, seed) for seed in range(4)) >= 0.95 * best
+
+
+def test_choice_is_the_argmax_of_expected_tokens_per_time():
+    costs = StepCosts(INT8_TARGET, curve(lambda k: 5.0 + k))  # a cheap draft: c ≈ 0.15
+    controller = AdaptiveGamma(costs)
+    seq = sequence()
+    for _ in range(200):
+        controller.observe(seq, 8, 8)  # long history of full acceptance: rates → ~1, then partial
+    for _ in range(30):
+        controller.observe(seq, 8, 3)
+    rates = controller._rates(controller._state(seq), 8)
+    tokens = expected_tokens(rates)
+    ratios = [tokens[g] / (costs.draft_ms(g, seq.num_tokens, 1) + costs.verify_ms(g + 1, seq.num_tokens)) for g in range(9)]
+    best = max(range(9), key=ratios.__getitem__)
+    assert 0 < best < 8  # in between: the curve and the rates disagree at the ends
+    assert controller.choose(seq, 8) == best
+
+
+def test_acceptance_per_position_not_iid():
+    """Position 1 nearly always accepted, position 2 nearly never: γ = 1, where an i.i.d. α of ~0.5 would
+    suggest more or nothing."""
+    accept = lambda i: 0.97 if i == 0 else 0.03  # noqa: E731
+    chosen = run(AdaptiveGamma(StepCosts(INT8_TARGET)), accept, 200)
+    assert max(chosen[-50:]) <= 2
+    best = max(speed_over_plain(StepCosts(INT8_TARGET), accept, gamma=g) for g in range(9))
+    assert speed_over_plain(StepCosts(INT8_TARGET), accept) >= 0.95 * best
+
+
+def test_trim_cuts_a_free_draft_where_acceptance_falls():
+    controller = AdaptiveGamma(StepCosts(INT8_TARGET))
+    seq = sequence()
+    for _ in range(50):
+        controller.observe(seq, 8, 2)  # positions 1–2 accepted, 3 rejected, every time
+    assert controller.choose(seq, 8) == 2
+    controller.choose(seq, 16)
+    assert controller.trim(seq, 16) == 2
+
+
+@pytest.mark.parametrize("draft", [None, INT8_DRAFT], ids=["lookup", "draft-model"])
+def test_probes_cost_little_and_find_acceptance_again(draft):
+    """Copy (α ≈ 1) → free writing (α = 0) → copy: the controller drops to plain steps and probes within its
+    budget. Probes are cheap for a lookup proposer, which comes back to speculating; a draft model's
+    probe must first catch up on every token it skipped, which here costs about what the budget earns."""
+    costs = StepCosts(INT8_TARGET, draft)
+    controller = AdaptiveGamma(costs)
+    seq = sequence()
+    copy = run(controller, lambda i: 0.98, 100, seq=seq, seed=1)
+    free = run(controller, lambda i: 0.0, 400, seq=seq, seed=2)
+    back = run(controller, lambda i: 0.98, 200, seq=seq, seed=3)
+    assert sum(copy[-50:]) / 50 >= 4
+    assert free[-300:].count(0) >= 0.7 * 300  # a lookup probe costs ~1/10 step: the budget allows many
+    assert speed_over_plain(costs, lambda i: 0.0, steps=400) >= 0.97
+    if draft is None:
+        assert sum(back[-50:]) / 50 >= 4  # found again
+
+
+def test_a_new_sequence_starts_from_what_the_engine_learned():
+    controller = AdaptiveGamma(StepCosts(INT8_TARGET, INT8_DRAFT), probe_budget=0.0)  # no probes: the prior alone
+    assert controller.choose(sequence(), 8) > 0  # nothing learned: an optimistic prior tries speculation
+    run(controller, lambda i: 0.99, 100)
+    assert controller.choose(sequence(), 8) > 0
+    assert controller.choose(sequence(max_tokens=3), 8) == 0  # too short to win back the draft's prefill
+    for seed in range(2):  # each finished request weighs half in the prior
+        run(controller, lambda i: 0.05, 100, seed=seed)
+    assert controller.choose(sequence(), 8) == 0  # the engine learned that this draft is rejected
+
+
+def test_estimate_discounts_old_evidence():
+    estimate = AcceptanceEstimate(decay=0.5, prior_weight=1.0)
+    for _ in range(20):
+        estimate.observe(2, 2)
+    estimate.observe(2, 0)  # rejected at position 1: position 2 was not verified
+    assert estimate.verified[1] == pytest.approx(sum(0.5**k for k in range(1, 21)))
+    a1, a2 = estimate.rates(2, 0.5)
+    assert 0.4 < a1 < 0.6  # one recent rejection weighs as much as all the older acceptances together
+    assert a2 == pytest.approx((estimate.accepted[1] + a1) / (estimate.verified[1] + 1))  # shrunk towards a1
+    assert AcceptanceEstimate(0.9).rates(3, 0.3) == [0.3, 0.3, 0.3]  # no evidence: the prior
+
+
+def test_heuristic_schedule_is_hfs():
+    schedule = HeuristicSchedule(4)
+    seq = sequence()
+    steps = []
+    for drafted, accepted in [(4, 4), (6, 2), (5, 0), (4, 0), (3, 0), (2, 0), (1, 1)]:
+        steps.append(schedule.choose(seq, 64))
+        schedule.observe(seq, drafted, accepted)
+    assert steps == [4, 6, 5, 4, 3, 2, 1]
+    assert schedule.choose(seq, 64) == 3 and schedule.choose(seq, 2) == 2
+
+
+# --- end to end on tiny models --------------------------------------------------------------------
+
+def cheap_speculation(llm: LLM) -> AdaptiveGamma:
+    """A controller priced so speculation pays on tiny models (whose draft costs as much as the target)."""
+    draft = curve(lambda k: 1.0) if llm.engine.proposer.model is not None else None
+    return AdaptiveGamma(StepCosts(FLAT, draft))
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "draft_model", "num_speculative_tokens": 6},
+    {"method": "draft_model", "num_speculative_tokens": 6, "draft_confidence_threshold": 0.02},
+    {"method": "ngram", "num_speculative_tokens": 8, "prompt_lookup_min": 1, "prompt_lookup_max": 3},
+    {"method": "suffix", "num_speculative_tokens": 8},
+], ids=["draft", "draft-confidence", "ngram", "suffix"])
+@pytest.mark.parametrize("priced", ["measured", "cheap"])
+def test_greedy_identity_with_adaptive_gamma(config, priced, tiny_qwen, tiny_qwen_draft):
+    prompts = ["abc abc abc abc", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "x"]
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    plain = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3)
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params, use_tqdm=False)]
+    if config["method"] == "draft_model":
+        config = {**config, "model": str(tiny_qwen_draft), "quantization": None}
+    llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3, speculative_config=config)
+    if priced == "cheap":
+        llm.engine.controller = cheap_speculation(llm)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    histogram = [sum(col) for col in zip(*[_padded(o.metrics.speculative_decoding["gamma_histogram"], 9) for o in outputs])]
+    assert sum(histogram) == sum(o.metrics.num_target_forwards for o in outputs)  # every step is counted once
+    if priced == "cheap":
+        assert sum(n > 0 for n in histogram[1:]) >= 2  # the controller really varied γ
+    assert not llm.engine.running and llm.engine.cache.num_free_slots == llm.engine.cache.num_slots
+
+
+def _padded(values: list[int], width: int) -> list[int]:
+    return values + [0] * (width - len(values))
+
+
+def test_confidence_threshold_stops_drafting(tiny_qwen, tiny_qwen_draft):
+    base = {"method": "draft_model", "model": str(tiny_qwen_draft), "quantization": None, "num_speculative_tokens": 6,
+            "adaptive": False}
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    drafted = {}
+    for threshold in (0.0, 0.999):
+        llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, speculative_config={
+            **base, "draft_confidence_threshold": threshold})
+        [out] = llm.generate("hello world", params, use_tqdm=False)
+        s = out.metrics.speculative_decoding
+        drafted[threshold] = s["num_draft_tokens"] / s["num_spec_steps"]
+        assert s["num_draft_forwards"] >= s["num_draft_tokens"]
+    assert drafted[0.0] == pytest.approx(6, abs=0.5)
+    assert drafted[0.999] < 2  # a random tiny draft is never that sure: one token per step
+
+
+@pytest.mark.parametrize("config", [
+    {"method": "draft_model", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.35},
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2},
+], ids=["draft-confidence", "ngram"])
+def test_adaptive_gamma_keeps_the_distribution(config, small_vocab_pair):
+    """Temperature 1, 20k samples of the first two tokens against the exact P(t1, t2), with γ chosen
+    and trimmed by the controller (priced so that it speculates) and the draft's confidence stop."""
+    target, draft = small_vocab_pair
+    if config["method"] == "draft_model":
+        config = {**config, "model": str(draft), "quantization": None}
+    params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, max_tokens=4, seed=7, ignore_eos=True)
+    prompt = [12, 4, 8, 12, 4, 8, 12, 4]
+    counts, stats = sampled_first_two(target, config, params, prompt, controller=cheap_speculation)
+    assert 0.05 < stats["draft_acceptance_rate"] < 0.95
+    assert len([n for n in stats["gamma_histogram"] if n]) >= 2
+    assert chi_square_pvalue(counts, exact_first_two(target, prompt, params)) > 1e-4
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "draft_confidence_threshold": -0.1}, "draft_confidence_threshold"),
+])
+def test_bad_adaptive_config(config, message, tiny_qwen):
+    with pytest.raises(ValueError, match=message):
+        LLM(str(tiny_qwen), speculative_config=config)
