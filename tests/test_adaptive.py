@@ -258,6 +258,25 @@ def test_adaptive_gamma_keeps_the_distribution(config, small_vocab_pair):
     assert chi_square_pvalue(counts, exact_first_two(target, prompt, params)) > 1e-4
 
 
+def test_power_the_adaptive_distribution_test_catches_a_lossy_verifier(small_vocab_pair, monkeypatch):
+    """The setup above (adaptive γ, trim, confidence stop) with a verifier that accepts every draft: caught."""
+    import specdec.engine.engine as engine_module
+    from specdec.spec.verifier import Verified
+
+    def always_accept(p, drafts, num_draft, q, generators):
+        return Verified(list(num_draft), [drafts[r, :n].tolist() + [int(torch.multinomial(p[r, n], 1, generator=generators[r]))]
+                                          for r, n in enumerate(num_draft)])
+
+    monkeypatch.setattr(engine_module, "rejection_sample", always_accept)
+    target, draft = small_vocab_pair
+    config = {"method": "draft_model", "num_speculative_tokens": 3, "draft_confidence_threshold": 0.35,
+              "model": str(draft), "quantization": None}
+    params = SamplingParams(n=NUM_SAMPLES, temperature=1.0, max_tokens=4, seed=7, ignore_eos=True)
+    prompt = [12, 4, 8, 12, 4, 8, 12, 4]
+    counts, _ = sampled_first_two(target, config, params, prompt, controller=cheap_speculation)
+    assert chi_square_pvalue(counts, exact_first_two(target, prompt, params)) < 1e-12
+
+
 @pytest.mark.parametrize("config, message", [
     ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "draft_confidence_threshold": 1.0}, "draft_confidence_threshold"),

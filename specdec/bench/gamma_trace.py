@@ -43,17 +43,17 @@ def trace(llm: Any, prompt: str, max_tokens: int) -> tuple[list[dict[str, int]],
     """Per engine step of a single greedy request: output position, γ verified, drafts accepted; and the text."""
     from specdec import SamplingParams
 
-    steps, before_tokens, before_hist, before_accepted, text = [], 0, [], 0, ""
+    steps, before, text = [], {"tokens": 0, "drafted": 0, "accepted": 0}, ""
     for out in llm.stream(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)):
         text = out.outputs[0].text
         spec = out.metrics.speculative_decoding
-        hist, tokens = spec["gamma_histogram"], len(out.outputs[0].token_ids)
-        if tokens == before_tokens:
+        now = {"tokens": len(out.outputs[0].token_ids), "drafted": spec["num_draft_tokens"],
+               "accepted": spec["num_accepted_tokens"]}
+        if now["tokens"] == before["tokens"]:
             continue  # a prefill chunk
-        changed = [g for g in range(len(hist)) if hist[g] != (before_hist[g] if g < len(before_hist) else 0)]
-        steps.append({"position": before_tokens, "gamma": changed[0],
-                      "accepted": spec["num_accepted_tokens"] - before_accepted})
-        before_tokens, before_hist, before_accepted = tokens, hist, spec["num_accepted_tokens"]
+        steps.append({"position": before["tokens"], "gamma": now["drafted"] - before["drafted"],
+                      "accepted": now["accepted"] - before["accepted"]})
+        before = now
     return steps, text
 
 

@@ -118,10 +118,11 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
         gammas = [g for g in args.gammas if g > 0]
         schedules = [(g, "fixed") for g in gammas if "fixed" in args.schedules]
         schedules += [(max(gammas), s) for s in ("adaptive", "heuristic") if s in args.schedules and gammas]
+        options = _spec_options(args.spec_option)
         for method in (m for m in args.methods if m != "none"):
             for gamma, schedule in schedules:
                 config = {"method": method, "num_speculative_tokens": gamma, "adaptive": schedule == "adaptive",
-                          **_spec_options(args.spec_option)}
+                          **options}
                 heuristic = schedule == "heuristic"
                 if method == "draft_model":
                     for draft in args.draft:

@@ -158,6 +158,8 @@ class _SequenceState:
     unseen: int  # tokens the draft model has not been fed: the prompt at first, then the bonus token at least
     rate: float = 0.0  # tokens per ms that this step's choice promised
     probing: bool = False  # this step is a probe
+    expected: list[float] = field(default_factory=list)  # this step's E[tokens](γ), γ = 0..γ_max
+    verify_ms: list[float] = field(default_factory=list)  # this step's verify cost of γ + 1 tokens
 
 
 class AdaptiveGamma:
@@ -187,9 +189,12 @@ class AdaptiveGamma:
         if gamma_max == 0:
             return 0
         context = seq.num_tokens
-        tokens = expected_tokens(self._rates(state, gamma_max))
+        # kept for `trim`, which runs on the same step with the same estimates
+        state.expected = tokens = expected_tokens(self._rates(state, gamma_max))
+        state.verify_ms = [self.costs.verify_ms(g + 1, context) for g in range(gamma_max + 1)]
         # steady state: the draft model in step with the sequence (its catch-up is a one-off, priced below)
-        times = [self._step_ms(g, context, 1) for g in range(gamma_max + 1)]
+        per_draft = self.costs.draft_ms(1, context, 1)
+        times = [g * per_draft + verify for g, verify in enumerate(state.verify_ms)]
         ratios = [t / ms for t, ms in zip(tokens, times)]
         best = max(range(gamma_max + 1), key=ratios.__getitem__)
         catch_up = self.costs.draft_ms(1, context, state.unseen) - self.costs.draft_ms(1, context, 1)
@@ -213,8 +218,7 @@ class AdaptiveGamma:
         state = self._state(seq)
         if num_drafted == 0:
             return 0
-        tokens = expected_tokens(self._rates(state, num_drafted))
-        gains = [tokens[k] - state.rate * self.costs.verify_ms(k + 1, seq.num_tokens) for k in range(num_drafted + 1)]
+        gains = [state.expected[k] - state.rate * state.verify_ms[k] for k in range(num_drafted + 1)]
         return max(range(num_drafted + 1), key=gains.__getitem__)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -245,6 +249,3 @@ class AdaptiveGamma:
 
     def _rates(self, state: _SequenceState, depth: int) -> list[float]:
         return state.estimate.rates(depth, self.prior)
-
-    def _step_ms(self, gamma: int, context: int, unseen: int) -> float:
-        return self.costs.draft_ms(gamma, context, unseen) + self.costs.verify_ms(gamma + 1, context)

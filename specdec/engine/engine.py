@@ -164,7 +164,7 @@ class Engine:
         drafts = {}
         for i, seq in enumerate(seqs):
             n = self.controller.trim(seq, min(draft.num_tokens[i], gammas[i]))
-            work = (0, 0) if draft.num_forwards is None else (draft.num_forwards[i], draft.num_tokens_fed[i])
+            work = (0, 0) if draft.num_tokens_fed is None else (draft.num_tokens[i], draft.num_tokens_fed[i])
             if n > 0 or work[0]:
                 drafts[seq] = (draft.tokens[i, :n].tolist(), None if draft.q is None else draft.q[i, :n], work)
         return drafts

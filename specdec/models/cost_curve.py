@@ -13,7 +13,7 @@ import os
 import platform
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -34,6 +34,10 @@ class CostCurve:
 
     ms: dict[int, dict[int, float]]
     spread: dict[int, dict[int, tuple[float, float]]]
+    _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # `ms`, made monotone
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_rising", {c: monotone(row) for c, row in self.ms.items()})
 
     @property
     def contexts(self) -> list[int]:
@@ -49,7 +53,7 @@ class CostCurve:
         context = min(max(context, contexts[0]), contexts[-1])
         upper = next(c for c in contexts if c >= context)
         lower = max((c for c in contexts if c <= context), default=upper)
-        at_lower, at_upper = _interpolate(self.ms[lower], k), _interpolate(self.ms[upper], k)
+        at_lower, at_upper = _interpolate(self._rising[lower], k), _interpolate(self._rising[upper], k)
         if upper == lower:
             return at_lower
         return at_lower + (at_upper - at_lower) * (context - lower) / (upper - lower)
@@ -70,7 +74,6 @@ class CostCurve:
 
 
 def _interpolate(row: dict[int, float], k: int) -> float:
-    row = monotone(row)
     ks = sorted(row)
     if k in row:
         return row[k]

@@ -22,8 +22,9 @@ class Draft:
     tokens: torch.Tensor  # [B, γ_max] long; row i is valid up to num_tokens[i]
     num_tokens: list[int]  # γ_i proposed for each sequence
     q: torch.Tensor | None  # [B, γ_max, V] processed draft distributions; None = deterministic
-    num_forwards: list[int] | None = None  # draft-model forwards run for each sequence; None = no model ran
-    num_tokens_fed: list[int] | None = None  # tokens those forwards took in (a catch-up feeds several at once)
+    # a draft model's work per sequence: one forward per proposed token, taking in this many tokens in all (its
+    # first forward catches up on what it has not seen); None = no model ran
+    num_tokens_fed: list[int] | None = None
 
     @classmethod
     def empty(cls, batch: int) -> "Draft":

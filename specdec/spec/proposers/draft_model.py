@@ -54,18 +54,21 @@ class DraftModelProposer:
             logits = self.model.forward(batch, self.cache).logits
             probs = processed_probs(logits, [seqs[i].params for i in rows])
             drawn = sample(probs, [seqs[i].generator for i in rows])
-            confident = _confidence(logits, probs, drawn, [seqs[i].params for i in rows]) >= self.confidence_threshold
-            for k, i in enumerate(rows):
-                tokens[i, step], feed[i] = int(drawn[k]), [int(drawn[k])]
+            unsure = [False] * len(rows)
+            if self.confidence_threshold > 0:
+                confidence = _confidence(logits, probs, drawn, [seqs[i].params for i in rows])
+                unsure = (confidence < self.confidence_threshold).tolist()
+            for k, (i, token) in enumerate(zip(rows, drawn.tolist())):
+                tokens[i, step], feed[i] = token, [token]
                 # the unlikely token is still verified (it is drawn, and one more verified row costs little);
                 # the row drafts no further
                 drafted[i] = step + 1
-                if not confident[k]:
+                if unsure[k]:
                     stopped.add(i)
                 if q is not None:
                     q[i, step] = probs[k]
         fed = [catch_up[i] + n - 1 if n else 0 for i, n in enumerate(drafted)]  # one forward per drafted token
-        return Draft(tokens, drafted, q, num_forwards=drafted, num_tokens_fed=fed)
+        return Draft(tokens, drafted, q, num_tokens_fed=fed)
 
     def observe(self, seqs: Seq[Sequence]) -> None:
         for seq in seqs:
