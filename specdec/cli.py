@@ -1,4 +1,4 @@
-"""`specdec generate | models | bench`."""
+"""`specdec generate | serve | models | bench`."""
 
 from __future__ import annotations
 
@@ -69,6 +69,25 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
     gen.set_defaults(run=_generate)
 
+    serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's flags)")
+    serve.add_argument("model", nargs="?", default=zoo.DEFAULT_MODEL, help="embedded name, HF directory or .gguf file")
+    serve.add_argument("--speculative-config", default=None,
+                       help='vLLM\'s JSON, e.g. \'{"method": "draft_model", "model": "qwen2.5-coder-0.5b", '
+                            '"num_speculative_tokens": 8}\' (default: no speculation)')
+    serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: only this machine can connect")
+    serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 routes "
+                                                       "(default: $SPECDEC_API_KEY; none: open)")
+    serve.add_argument("--served-model-name", default=None, help="the name clients pass as 'model' (default: MODEL)")
+    serve.add_argument("--max-num-seqs", type=int, default=16, help="sequences decoded together (KV slots)")
+    serve.add_argument("--max-num-batched-tokens", type=int, default=2048,
+                       help="tokens one step's forward takes in: decoding sequences first, then prompt chunks")
+    serve.add_argument("--max-model-len", type=int, default=4096)
+    serve.add_argument("--dtype", default="float32")
+    serve.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto")
+    serve.add_argument("--seed", type=int, default=0)
+    serve.set_defaults(run=_serve)
+
     models = commands.add_parser("models", help="embedded models")
     models_commands = models.add_subparsers()
     models_list = models_commands.add_parser("list", help="show embedded models and their state")
@@ -76,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     models_list.set_defaults(run=_models_list)
 
     bench = commands.add_parser("bench", help="benchmarks (see specdec/bench); without a name: the sweep")
-    bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram")
+    bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram, gamma_trace, serve_load")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser
@@ -154,6 +173,25 @@ def _generate(args: argparse.Namespace) -> int:
             f"finish: {completion.finish_reason}",
             file=sys.stderr,
         )
+    return 0
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import os
+
+    from specdec import LLM
+    from specdec.server.app import GracefulServer, build_app
+
+    try:
+        speculative_config = None if args.speculative_config is None else json.loads(args.speculative_config)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--speculative-config is not valid JSON: {error}") from None
+    llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
+              quantization=_format(args.quantization), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
+              max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)
+    app = build_app(llm, args.served_model_name or args.model, args.api_key or os.environ.get("SPECDEC_API_KEY"))
+    # on SIGINT/SIGTERM: stop accepting, let running requests finish for up to 30 s, then cancel what is left
+    GracefulServer(app, args.host, args.port, grace_s=30).run()
     return 0
 
 

@@ -32,6 +32,7 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     skip_special_tokens: bool = True
     seed: int | None = None
+    logprobs: int | None = None  # per output token: its log-probability under the target, and this many top ones
 
     def __post_init__(self) -> None:
         # Accept a single stop string or any iterable, as vLLM does; store tuples.
@@ -46,7 +47,10 @@ class SamplingParams:
         _check(isinstance(self.max_tokens, int) and self.max_tokens >= 1, f"max_tokens must be an integer >= 1, got {self.max_tokens!r}")
         _check(all(isinstance(s, str) and s for s in self.stop), f"stop must be non-empty strings, got {self.stop!r}")
         _check(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids), f"stop_token_ids must be token ids, got {self.stop_token_ids!r}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer or None, got {self.seed!r}")
+        _check(self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed <= 2**64 - self.n),
+               f"seed must be None or an integer in [-2**63, 2**64 - n], got {self.seed!r}")
+        _check(self.logprobs is None or _is_count(self.logprobs, 0, MAX_LOGPROBS),
+               f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], got {self.logprobs!r}")
 
     @property
     def greedy(self) -> bool:
@@ -55,6 +59,9 @@ class SamplingParams:
     @property
     def filters_vocabulary(self) -> bool:
         return self.top_k > 0 or self.top_p < 1 or self.min_p > 0
+
+
+MAX_LOGPROBS = 20  # top log-probabilities a request may ask for per token (vLLM's default limit)
 
 
 def _is_number(value: object) -> bool:
@@ -84,6 +91,8 @@ class EngineConfig:
     max_model_len: int = 4096
     max_num_seqs: int = 8
     max_prefill_chunk: int = 512  # prompt tokens per sequence per step (chunked prefill)
+    # tokens one step's forward takes in, drafts included: decoding sequences first, then prompt chunks
+    max_num_batched_tokens: int = 2048
     seed: int = 0
     device: str = "cpu"
 
@@ -92,6 +101,9 @@ class EngineConfig:
         _check(isinstance(self.max_model_len, int) and self.max_model_len >= 2, f"max_model_len must be an integer >= 2, got {self.max_model_len!r}")
         _check(isinstance(self.max_num_seqs, int) and self.max_num_seqs >= 1, f"max_num_seqs must be >= 1, got {self.max_num_seqs!r}")
         _check(isinstance(self.max_prefill_chunk, int) and self.max_prefill_chunk >= 1, f"max_prefill_chunk must be >= 1, got {self.max_prefill_chunk!r}")
+        _check(isinstance(self.max_num_batched_tokens, int) and self.max_num_batched_tokens >= self.max_num_seqs,
+               f"max_num_batched_tokens must be an integer >= max_num_seqs ({self.max_num_seqs}): every running "
+               f"sequence needs a token per step; got {self.max_num_batched_tokens!r}")
         _check(isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
         _check_quantization(self.quantization, "model")
 

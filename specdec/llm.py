@@ -50,6 +50,7 @@ class LLM:
         quantization: str | None = "auto",
         max_model_len: int = 4096,
         max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 2048,
         seed: int = 0,
         device: str = "cpu",
     ) -> None:
@@ -62,6 +63,7 @@ class LLM:
             quantization=quantization,
             max_model_len=max_model_len,
             max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
             seed=seed,
             device=device,
         )
@@ -147,7 +149,7 @@ class LLM:
     def _add_requests(
         self, prompts: list[PromptType], params: list[SamplingParams]
     ) -> list[tuple[str, list[Sequence], str | None]]:
-        encoded = [self._encode(p) for p in prompts]  # all validated before any is queued
+        encoded = [self.encode_prompt(p) for p in prompts]  # all validated before any is queued
         added: list[tuple[str, list[Sequence], str | None]] = []
         try:
             for (text, ids), p in zip(encoded, params):
@@ -159,7 +161,8 @@ class LLM:
             raise
         return added
 
-    def _encode(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+    def encode_prompt(self, prompt: PromptType) -> tuple[str | None, list[int]]:
+        """(text or None, token ids) of a prompt, as `generate` reads it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass {'prompt_token_ids': [...]} instead")
@@ -169,7 +172,7 @@ class LLM:
         if isinstance(prompt, Mapping) and "prompt_token_ids" in prompt:
             return prompt.get("prompt"), list(prompt["prompt_token_ids"])
         if isinstance(prompt, Mapping) and "prompt" in prompt:
-            return self._encode(prompt["prompt"])
+            return self.encode_prompt(prompt["prompt"])
         raise ValueError(f"a prompt is a string or a dict with 'prompt' or 'prompt_token_ids', got {type(prompt).__name__}")
 
 

@@ -15,6 +15,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None  # per token: {token id: log-probability}, the chosen one first
 
 
 @dataclass
@@ -47,7 +48,8 @@ class RequestOutput:
     def from_sequences(cls, sequences: list[Sequence], prompt: str | None) -> "RequestOutput":
         first = sequences[0]
         outputs = [
-            CompletionOutput(s.index, streamable_text(s), list(s.output_token_ids), s.finish_reason, s.stop_reason)
+            CompletionOutput(s.index, streamable_text(s), list(s.output_token_ids), s.finish_reason, s.stop_reason,
+                             None if s.logprobs is None else list(s.logprobs))
             for s in sequences
         ]
         return cls(

@@ -42,19 +42,34 @@ def _filter(probs: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tens
     vocab = probs.shape[-1]
     sorted_probs, order = probs.sort(dim=-1, descending=True)
     rank = torch.arange(vocab).expand_as(sorted_probs)
-    top_k = torch.tensor([p.top_k if p.top_k > 0 else vocab for p in params])
+    top_k = torch.tensor([min(p.top_k, vocab) if p.top_k > 0 else vocab for p in params])
     sorted_probs = sorted_probs.masked_fill(rank >= top_k[:, None], 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     # top-p: keep the smallest prefix whose mass reaches top_p (the first token always stays)
     top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before >= top_p[:, None], 0.0)
+    sorted_probs = sorted_probs.masked_fill((mass_before >= top_p[:, None]) & (rank > 0), 0.0)  # top_p may round to 0
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     # min-p: drop tokens below min_p × the most likely token's probability
     min_p = torch.tensor([p.min_p for p in params], dtype=torch.float32)
     sorted_probs = sorted_probs.masked_fill(sorted_probs < min_p[:, None] * sorted_probs[:, :1], 0.0)
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: Sequence[int], num_top: int) -> list[dict[int, float]]:
+    """Per row: the chosen token's log-probability under the unprocessed logits (as vLLM reports them),
+    and the `num_top` most likely tokens' (the chosen token first)."""
+    logprobs = logits.float().log_softmax(dim=-1)
+    top = logprobs.topk(num_top, dim=-1) if num_top else None
+    rows = []
+    for i, token in enumerate(tokens):
+        row = {token: float(logprobs[i, token])}
+        if top is not None:
+            for value, index in zip(top.values[i].tolist(), top.indices[i].tolist()):
+                row.setdefault(index, value)
+        rows.append(row)
+    return rows
 
 
 def sample(probs: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:

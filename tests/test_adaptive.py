@@ -114,6 +114,48 @@ def test_choice_is_the_argmax_of_expected_tokens_per_time():
     assert controller.choose(seq, 8) == best
 
 
+def test_batch_size_prices_verification():
+    """Verification that is free for one sequence (flat to 8 tokens) is compute-bound for a batch of 16: the
+    same evidence speculates alone and decodes plain in the batch."""
+    costs = StepCosts(curve(lambda k: 40.0 if k <= 8 else 5.0 * k))
+    controller = AdaptiveGamma(costs)
+    seq = sequence()
+    for _ in range(30):
+        controller.observe(seq, 6, 5)
+    assert controller.choose(seq, 6, batch_size=1) >= 4
+    assert controller.choose(seq, 6, batch_size=16) == 0
+    assert costs.verify_ms(3, 128, batch_size=16) == pytest.approx(5.0 * 48 / 16)
+
+
+def test_measured_step_times_correct_the_cost_curves():
+    """Speculative steps that take 1.6× what the curves say (overheads they miss) turn a modeled ~1.2× gain
+    into a loss: the controller learns the ratio from the engine's step times and decodes plain."""
+    costs = StepCosts(INT8_TARGET, curve(lambda k: 4.0 + 0.1 * k))
+    controller = AdaptiveGamma(costs, probe_budget=0.0)
+    seq = sequence()
+    rng = random.Random(0)
+    for _ in range(80):
+        gamma = controller.trim(seq, controller.choose(seq, 8))
+        controller.step_timed([seq], controller._state(seq).modeled_ms * (1.6 if gamma else 1.0))
+        accepted = int(gamma > 0 and rng.random() < 0.6)  # the first draft 60%, the rest never: ~1.3× by the curves
+        controller.observe(seq, gamma, accepted)
+        seq.output_token_ids.extend([1] * (accepted + 1))
+    assert 1.3 < controller.speculation_overhead <= 1.6 and controller.plain_calibration == 1.0
+    assert controller.choose(seq, 8) == 0  # (it stops learning the ratio once it stops speculating)
+    fresh = AdaptiveGamma(costs, probe_budget=0.0)
+    fresh._states[seq] = controller._states[seq]
+    assert fresh.choose(seq, 8) > 0  # the same evidence, uncalibrated: speculate
+    # a machine 1.3× slower than when its curves were measured slows plain and speculative steps alike: what
+    # plain steps measure carries over to speculation, and the choice stays
+    drifted = AdaptiveGamma(costs, probe_budget=0.0)
+    drifted._states[seq] = controller._states[seq]
+    for _ in range(40):
+        drifted.choose(seq, 0)
+        drifted.step_timed([seq], drifted._state(seq).modeled_ms * 1.3)
+    assert drifted.plain_calibration == pytest.approx(1.3, rel=0.02) and drifted.speculation_overhead == 1.0
+    assert drifted.choose(seq, 8) == fresh.choose(seq, 8) > 0
+
+
 def test_acceptance_per_position_not_iid():
     """Position 1 nearly always accepted, position 2 nearly never: γ = 1, where an i.i.d. α of ~0.5 would
     suggest more or nothing."""
@@ -160,7 +202,34 @@ def test_a_new_sequence_starts_from_what_the_engine_learned():
     assert controller.choose(sequence(max_tokens=3), 8) == 0  # too short to win back the draft's prefill
     for seed in range(2):  # each finished request weighs half in the prior
         run(controller, lambda i: 0.05, 100, seed=seed)
-    assert controller.choose(sequence(), 8) == 0  # the engine learned that this draft is rejected
+    # the engine learned that this draft is rejected: a 64-token request does not try it (a much longer one
+    # would: at what the prior leaves possible, its tokens could win back a try)
+    assert controller.choose(sequence(max_tokens=64), 8) == 0
+
+
+def test_thin_evidence_is_worth_trying():
+    """What trying is worth over the posterior of α, not at its mean: one early rejection doesn't switch a
+    fresh engine off, and a long prompt's catch-up is paid where the request may win it back."""
+    costs = StepCosts(INT8_TARGET, INT8_DRAFT)
+    controller = AdaptiveGamma(costs, probe_budget=0.0)
+    seq = sequence(max_tokens=64)
+    controller.choose(seq, 8)
+    controller.observe(seq, 1, 0)  # the first draft is rejected: the mean falls to 0.375
+    assert controller._rates(controller._state(seq), 1)[0] == pytest.approx(0.375)
+    assert controller.choose(seq, 8) > 0
+    # 500 tokens to catch up on, 64 to generate: at the prior's mean (0.75) the rest would not win it back
+    long_prompt = sequence(length=500, max_tokens=64)
+    state = controller._state(long_prompt)
+    catch_up = costs.draft_ms(1, 500, 500) - costs.draft_ms(1, 500, 1)
+    mean_saving = [64 * (costs.verify_ms(1, 500) - (g * costs.draft_ms(1, 500, 1) + costs.verify_ms(g + 1, 500))
+                         / t) for g, t in enumerate(expected_tokens([0.75] * 8)) if g]
+    assert max(mean_saving) < catch_up
+    assert controller.choose(long_prompt, 8) == 0 and state.unseen == 500  # not even at what α may be
+    longer = sequence(length=500, max_tokens=256)
+    assert controller.choose(longer, 8) > 0  # long enough to win it back at what α may be
+    for _ in range(4):
+        controller.observe(longer, 2, 0)  # rejected: evidence enough to act on its mean
+    assert controller.choose(longer, 8) == 0
 
 
 def test_estimate_discounts_old_evidence():

@@ -117,3 +117,22 @@ def test_ngram_bench_on_a_tiny_model(tmp_path):
 def test_unknown_benchmark():
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         run_benchmark("nope", [])
+
+
+def test_serve_load_bench_on_tiny_models(tiny_qwen, tiny_qwen_draft, tmp_path):
+    """Real `specdec serve` subprocesses under concurrent streamed clients: every request gets its tokens, the
+    table compares modes at each concurrency, and speculation counters come from the server's /metrics."""
+    out, doc = tmp_path / "results", tmp_path / "BENCH.md"
+    code = run_benchmark("serve_load", [
+        "--model", str(tiny_qwen), "--draft", str(tiny_qwen_draft), "--modes", "off", "fixed", "--gamma", "3",
+        "--concurrency", "1", "3", "--requests-per-client", "2", "--max-tokens", "6", "--datasets", "chat",
+        "--out", str(out), "--update", str(doc)])
+    assert code == 0
+    results = json.loads((out / "serve_load.json").read_text())
+    assert [(r["mode"], r["concurrency"]) for r in results] == [("off", 1), ("off", 3), ("fixed", 1), ("fixed", 3)]
+    for r in results:
+        assert len(r["requests"]) == 2 * r["concurrency"] and all(q["tokens"] == 6 for q in r["requests"])
+        assert r["tok_per_s"] > 0 and r["ttft_s"]["p50"] <= r["ttft_s"]["p99"]
+        assert (r["draft_tokens"] > 0) == (r["mode"] == "fixed")
+        assert 0 <= r["accepted_tokens"] <= r["draft_tokens"]
+    assert "| fixed | 3 |" in doc.read_text()

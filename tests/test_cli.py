@@ -91,3 +91,15 @@ def test_generate_with_int8_weights_for_target_and_draft(tiny_qwen, tiny_qwen_dr
     assert json.loads(capsys.readouterr().out)["token_ids"] == plain["token_ids"]
     with pytest.raises(SystemExit):
         main(args + ["--quantization", "int3"])
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["serve", "--speculative-config", "{not json"], "--speculative-config is not valid JSON"),
+    (["serve", "no-such-model"], "unknown model 'no-such-model'"),
+    (["serve", "--speculative-config", '{"method": "draft_model"}'], "num_speculative_tokens"),
+])
+def test_serve_refuses_bad_arguments_before_listening(argv, message, tiny_qwen, capsys):
+    if argv[1] != "no-such-model":
+        argv.insert(1, str(tiny_qwen))
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err

@@ -186,3 +186,43 @@ def test_unknown_model_and_unsupported_options(tmp_path):
         LLM(str(tmp_path))
     with pytest.raises(ValueError, match="speculative_config"):
         LLM("qwen2.5-coder-0.5b", speculative_config={"method": "draft_model"})
+
+
+@pytest.mark.parametrize("speculative", [None, {"method": "draft_model", "num_speculative_tokens": 3, "adaptive": False}])
+def test_logprobs_are_the_targets_log_softmax(tiny_qwen, tiny_qwen_draft, speculative):
+    """Each output token's log-probability (and the top ones) under the target, speculating or not."""
+    config = None if speculative is None else {**speculative, "model": str(tiny_qwen_draft)}
+    llm = LLM(str(tiny_qwen), speculative_config=config, quantization=None, max_model_len=64)
+    [out] = llm.generate("log me", SamplingParams(temperature=1.0, seed=3, max_tokens=12, logprobs=4), use_tqdm=False)
+    ids = out.prompt_token_ids + out.outputs[0].token_ids
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen, dtype=torch.float32).eval()
+    with torch.no_grad():
+        reference = model(torch.tensor([ids])).logits[0, len(out.prompt_token_ids) - 1 : -1].log_softmax(-1)
+    for row, token, entry in zip(reference, out.outputs[0].token_ids, out.outputs[0].logprobs):
+        assert next(iter(entry)) == token  # the chosen token first
+        top = set(row.topk(4).indices.tolist())
+        assert top <= set(entry) and len(entry) <= 5
+        for t, value in entry.items():
+            assert value == pytest.approx(row[t].item(), abs=1e-4)
+    with pytest.raises(ValueError, match="logprobs"):
+        SamplingParams(logprobs=21)
+
+
+def test_token_budget_per_step(tiny_qwen, tiny_qwen_draft):
+    """No forward takes in more than max_num_batched_tokens (drafts included); decoding sequences go first, so
+    a long prompt arriving later is fed in budget-sized chunks; outputs are unchanged."""
+    prompts = ["short", "a much longer prompt " * 6, "mid length prompt here"]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    expected = [o.outputs[0].token_ids for o in LLM(str(tiny_qwen), quantization=None, max_model_len=128).generate(
+        prompts, params, use_tqdm=False)]
+    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 4, "adaptive": False}
+    llm = LLM(str(tiny_qwen), speculative_config=spec, quantization=None, max_model_len=128, max_num_seqs=3,
+              max_num_batched_tokens=8)
+    fed = []
+    forward = llm.engine.model.forward
+    llm.engine.model.forward = lambda batch, cache: fed.append(len(batch.token_ids)) or forward(batch, cache)
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert max(fed) <= 8 and max(fed) == 8
+    with pytest.raises(ValueError, match="max_num_batched_tokens"):
+        LLM(str(tiny_qwen), max_num_seqs=4, max_num_batched_tokens=2)

@@ -43,6 +43,15 @@ def test_top_p_keeps_smallest_prefix_reaching_mass():
     torch.testing.assert_close(p.sum(), torch.tensor(1.0))
 
 
+def test_a_tiny_top_p_keeps_the_likeliest_token():
+    """top_p = 5e-324 (found by schemathesis through the server) rounds to 0 in float32: still one token."""
+    assert probs_of(top_p=5e-324).tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_everything():
+    torch.testing.assert_close(probs_of(top_k=10**26), probs_of())  # also found through the server
+
+
 def test_min_p_drops_tokens_below_fraction_of_the_best():
     full = torch.softmax(LOGITS[0], -1)
     p = probs_of(min_p=0.3)
@@ -95,6 +104,7 @@ def test_seeded_generators_reproduce_and_differ_by_seed():
         (dict(stop=[""]), "stop"),
         (dict(stop_token_ids=[-1]), "stop_token_ids"),
         (dict(seed="x"), "seed"),
+        (dict(seed=2**64), "seed"),
     ],
 )
 def test_invalid_sampling_params_raise_value_error(kwargs, message):

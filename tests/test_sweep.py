@@ -58,7 +58,7 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
     out, doc = tmp_path / "sweep", tmp_path / "BENCH.md"
     doc.write_text("# Benchmarks\n\n<!-- bench:other -->\nkept\n<!-- /bench:other -->\n")
     argv = ["bench", "--quick", "--datasets", "code", "edit", "--quality", "--quality-max-tokens", "16",
-            "--out", str(out), "--update", str(doc)]
+            "--seeds", "2", "--out", str(out), "--update", str(doc)]
     assert main(argv) == 0
     results = json.loads((out / "sweep.json").read_text())
     labels = {r["row"]["label"] for r in results}
@@ -73,6 +73,10 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         base = plain[(row["dataset"], row["temperature"])]
         if row["label"] == "specdec none":
             assert row["speedup"] == 1.0
+        if row["engine"] == "specdec" and row["dataset"] != "code_tests":  # 2 prompts, 2 seeds each where sampled
+            requests = cell["passes"][-1]["requests"]
+            assert len(requests) == (4 if row["temperature"] > 0 else 2)
+            assert len({tuple(q["tokens"]) for q in requests}) == len(requests)
         if row["engine"] == "specdec" and row["temperature"] == 0:  # greedy: every method gives plain's tokens
             assert [q["tokens"] for q in cell["passes"][-1]["requests"]] == \
                    [q["tokens"] for q in base["cell"]["passes"][-1]["requests"]]

@@ -85,10 +85,16 @@ class Workload:
     num_prompts: int
     max_tokens: int
     repeat: int
+    # sampled text differs with the seed, and with it a cell's acceptance: more seeds per prompt (at T > 0)
+    # average that out; seed = prompt index + 1000 × seed number
+    seeds: int = 1
 
 
 def cell_key(setup: EngineSetup, workload: Workload) -> str:
-    text = json.dumps([asdict(setup), asdict(workload)], sort_keys=True)
+    work = asdict(workload)
+    if work["seeds"] == 1:
+        del work["seeds"]  # the key cells had before seeds existed
+    text = json.dumps([asdict(setup), work], sort_keys=True)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
@@ -111,11 +117,14 @@ def run_worker(setup: EngineSetup, workloads: list[Workload], cells_dir: Path) -
         for _ in range(workload.repeat):
             start, count, requests = time.perf_counter(), 0, []
             for index, prompt_ids in enumerate(ids):
-                record = engine.generate(prompt_ids, workload, seed=index)
-                requests.append({"prompt_id": prompts[index]["id"], "prompt_tokens": len(prompt_ids), **record})
-                count += len(record["tokens"])
+                for number in range(workload.seeds):
+                    record = engine.generate(prompt_ids, workload, seed=index + 1000 * number)
+                    requests.append({"prompt_id": prompts[index]["id"], "prompt_tokens": len(prompt_ids), **record})
+                    count += len(record["tokens"])
             passes.append({"tok_per_s": count / (time.perf_counter() - start), "requests": requests})
-        for request, prompt in zip(requests, prompts):
+        by_id = {p["id"]: p for p in prompts}
+        for request in requests:
+            prompt = by_id[request["prompt_id"]]
             if "tests" in prompt:  # the quality set: does the completion's code pass the task's tests?
                 text = engine.tokenizer.decode(request["tokens"], skip_special_tokens=True)
                 request["passed"] = passes_tests(text, prompt["tests"])

@@ -51,6 +51,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--num-prompts", type=int, default=3)
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--repeat", type=int, default=1)
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds per prompt at temperature > 0 (the sampled text, and with it acceptance, varies)")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-peers", action="store_true", help="skip transformers' plain / assisted / prompt lookup")
     p.add_argument("--peer-temperatures", type=float, nargs="+", default=[0.0],
@@ -89,7 +91,8 @@ def main(argv: Sequence[str]) -> int:
     for name in datasets:
         load_prompts(name)  # a bad name or file fails here, before anything runs
     def workloads(temperatures: list[float]) -> list[Workload]:
-        chosen = [Workload(d, t, args.num_prompts, args.max_tokens, args.repeat) for d in datasets for t in temperatures]
+        chosen = [Workload(d, t, args.num_prompts, args.max_tokens, args.repeat, args.seeds if t > 0 else 1)
+                  for d in datasets for t in temperatures]
         if args.quality:
             chosen.append(Workload(QUALITY_DATASET, 0.0, len(load_prompts(QUALITY_DATASET)), args.quality_max_tokens, 1))
         return chosen

@@ -24,7 +24,8 @@ def sweep_report(rows: list[CellRow], args: argparse.Namespace, argv: Sequence[s
         "",
         f"Command: `specdec bench sweep {' '.join(argv)}`  ",
         f"{args.num_prompts} prompts per dataset × {args.max_tokens} new tokens (EOS ignored), batch 1, "
-        f"{args.threads} threads, seeded sampling per prompt, {args.repeat} timed pass(es) after a warm-up; each engine "
+        f"{args.threads} threads, seeded sampling per prompt ({args.seeds} seed(s) per prompt at T > 0), "
+        f"{args.repeat} timed pass(es) after a warm-up; each engine "
         f"setup in its own subprocess; transformers peers in float32. Speedup = tok/s ÷ the same engine's plain "
         f"decoding on the same dataset and temperature; ngram with prompt_lookup_min/max = "
         f"{args.prompt_lookup[0]}/{args.prompt_lookup[1]}. {environment_line()}",

@@ -6,20 +6,34 @@ where a_i = P(draft i is accepted | drafts 1..i−1 were), estimated online per 
 i.i.d. α of the papers: acceptance moves along the draft). The step costs
     E[ms](γ) = drafting (the draft model's forwards, priced by its measured cost curve; free for
                n-gram and suffix lookup) + verify_ms(γ + 1, context) (the target's measured curve).
-The controller picks γ ∈ {0, …, γ_max} maximising E[tokens] / E[ms]; γ = 0 is a plain step. Once
+The controller picks γ ∈ {0, …, γ_max} maximising E[tokens] / E[ms]; γ = 0 is a plain step. In a
+batch, a sequence pays its share of forwards over every decoding sequence's tokens (`StepCosts`); what
+the curves miss is learned from the measured time of decode steps: plain steps against their modeled
+time (the machine drifts from when its curves were measured), and speculative steps against theirs
+over that (sampling and verifying each row, the draft's own work). Once
 the proposer has drafted, the drafting is paid for, and the draft is trimmed to the prefix k that
 maximises E[tokens](k) − R · verify_ms(k + 1), R being the rate the choice promised.
 
-A draft model must first catch up on the tokens it has not seen (the prompt, or the tokens of plain
-steps): that one-off cost is paid only if the rest of the request, at the speculative rate, wins it
-back.
-
 Estimates are discounted Beta posteriors (recent steps weigh most). A new sequence starts from the
-engine's prior: the final estimates of the sequences before it, the latest weighing most; the first
-one from an optimistic 0.75, so that a fresh engine tries speculating and learns. While γ = 0
-nothing is observed, so the controller probes with γ = 1 once the plain steps of all sequences have
-earned it: probing spends at most `probe_budget` of the plain time, whatever a probe costs (for a
-draft model, its catch-up over every token it skipped: on a CPU about what 50 plain steps earn, so a
+engine's prior: the final estimates of the sequences before it, the latest weighing most (the first
+one from 0.75), worth one observation and one more per finished sequence, up to `max_prior_weight`.
+
+Speculating is also how acceptance is learned, so where the estimate's mean says "plain" (or says
+"speculate", but a draft model must first catch up on tokens it has not seen: the prompt, or the
+tokens of plain steps) and the sequence's evidence is thin (under `min_evidence` verifications of
+the first position), the controller weighs what trying is worth over the posterior of the acceptance
+level α: the rest of the request (at most `horizon` tokens) gains max(0, s(α)) per token, s(α) being
+the time per token the best γ saves at α, less the catch-up, less the steps still needed to learn
+at min(0, s(α)) each. It tries when that is positive. So a new request or one early rejection keeps
+speculating where it may pay, and a long prompt's catch-up is paid when the request is long enough
+to win it back at the acceptance it probably has. With enough evidence it acts on the mean: the
+catch-up is paid only if the rest of the request, at the speculative rate, wins it back. (Counting
+what a try teaches the requests to come as well made a fresh engine pay a long prompt's catch-up in
+every request of a low-acceptance workload: 0.86× plain on 500-token prompts at T = 1.5.)
+
+While γ = 0 nothing is observed, so the controller also probes with γ = 1 once the plain steps
+of all sequences have earned it: probing spends at most `probe_budget` of the plain time, whatever a
+probe costs (for a draft model, its catch-up over every token it skipped: on a CPU about what 50 plain steps earn, so a
 draft model that stopped comes back after a few requests, not within one). An accepted probe halves
 the weight of the older evidence, so a return of acceptance (the text turns to copying again) is
 confirmed in a few steps.
@@ -27,6 +41,7 @@ confirmed in a few steps.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -36,8 +51,8 @@ from specdec.models.cost_curve import CostCurve
 
 
 class GammaController(Protocol):
-    def choose(self, seq: Sequence, gamma_max: int) -> int:
-        """γ for this step's draft, 0 ≤ γ ≤ gamma_max."""
+    def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
+        """γ for this step's draft, 0 ≤ γ ≤ gamma_max; `batch_size` sequences decode in this step's forward."""
 
     def trim(self, seq: Sequence, num_drafted: int) -> int:
         """How many of the drafted tokens to verify."""
@@ -48,11 +63,14 @@ class GammaController(Protocol):
     def release(self, seq: Sequence) -> None:
         """The sequence is done."""
 
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+        """A step in which every sequence decoded (no prompt chunk) took `measured_ms` to draft and verify."""
+
 
 class FixedGamma:
     """γ = num_speculative_tokens at every step (vLLM's behaviour; `"adaptive": false`)."""
 
-    def choose(self, seq: Sequence, gamma_max: int) -> int:
+    def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return gamma_max
 
     def trim(self, seq: Sequence, num_drafted: int) -> int:
@@ -64,6 +82,9 @@ class FixedGamma:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+        pass
+
 
 class HeuristicSchedule:
     """HF transformers' `num_assistant_tokens_schedule="heuristic"`, for comparison: +2 after a step
@@ -73,7 +94,7 @@ class HeuristicSchedule:
     def __init__(self, start: int) -> None:
         self.gamma = start
 
-    def choose(self, seq: Sequence, gamma_max: int) -> int:
+    def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return min(self.gamma, gamma_max)
 
     def trim(self, seq: Sequence, num_drafted: int) -> int:
@@ -86,23 +107,31 @@ class HeuristicSchedule:
     def release(self, seq: Sequence) -> None:
         pass
 
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+        pass
+
 
 @dataclass(frozen=True)
 class StepCosts:
     """What a step costs on this machine: the target's measured forward cost, and the draft model's
-    (None where drafting costs next to nothing: n-gram and suffix lookups take well under 1 ms)."""
+    (None where drafting costs next to nothing: n-gram and suffix lookups take well under 1 ms).
+
+    In a batch of B decoding sequences a sequence pays its share of forwards that take in B times its own
+    tokens (as if every sequence drafted alike): where one sequence's verification is nearly free, a batch's
+    may already be compute-bound."""
 
     target: CostCurve
     draft: CostCurve | None = None
 
-    def verify_ms(self, num_tokens: int, context: int) -> float:
-        return self.target.forward_ms(num_tokens, context)
+    def verify_ms(self, num_tokens: int, context: int, batch_size: int = 1) -> float:
+        return self.target.forward_ms(num_tokens * batch_size, context) / batch_size
 
-    def draft_ms(self, gamma: int, context: int, unseen: int) -> float:
+    def draft_ms(self, gamma: int, context: int, unseen: int, batch_size: int = 1) -> float:
         """γ draft forwards, the first over the `unseen` tokens the draft has to catch up on."""
         if self.draft is None or gamma == 0:
             return 0.0
-        return self.draft.forward_ms(unseen, context) + (gamma - 1) * self.draft.forward_ms(1, context)
+        first = self.draft.forward_ms(unseen * batch_size, context)
+        return (first + (gamma - 1) * self.draft.forward_ms(batch_size, context)) / batch_size
 
 
 @dataclass
@@ -132,6 +161,16 @@ class AcceptanceEstimate:
         self.accepted = [x * factor for x in self.accepted]
         self.verified = [x * factor for x in self.verified]
 
+    def evidence(self) -> float:
+        """How many (discounted) verifications of the first position the estimate rests on."""
+        return self.verified[0] if self.verified else 0.0
+
+    def first_position_posterior(self, prior: float) -> tuple[float, float]:
+        """Beta(a, b) of a_1: its evidence plus the prior's pseudo-counts."""
+        hits = self.accepted[0] if self.accepted else 0.0
+        trials = self.verified[0] if self.verified else 0.0
+        return hits + self.prior_weight * prior, trials - hits + self.prior_weight * (1 - prior)
+
     def rates(self, depth: int, prior: float) -> list[float]:
         """a_1..a_depth."""
         rates, mean = [], prior
@@ -141,6 +180,18 @@ class AcceptanceEstimate:
             mean = (hits + self.prior_weight * mean) / (trials + self.prior_weight)
             rates.append(mean)
         return rates
+
+
+ALPHA_GRID = tuple((i + 0.5) / 20 for i in range(20))  # where the posterior of α is weighed
+
+
+def beta_weights(a: float, b: float, grid: Seq[float] = ALPHA_GRID) -> list[float]:
+    """A Beta(a, b) density on the grid, normalised to sum to 1."""
+    logs = [(a - 1) * math.log(x) + (b - 1) * math.log1p(-x) for x in grid]
+    top = max(logs)
+    weights = [math.exp(v - top) for v in logs]
+    total = sum(weights)
+    return [w / total for w in weights]
 
 
 def expected_tokens(rates: Seq[float]) -> list[float]:
@@ -157,6 +208,10 @@ class _SequenceState:
     estimate: AcceptanceEstimate
     unseen: int  # tokens the draft model has not been fed: the prompt at first, then the bonus token at least
     rate: float = 0.0  # tokens per ms that this step's choice promised
+    batch_size: int = 1  # sequences decoding in this step's forward
+    context: int = 0
+    drafted: int = 0  # γ asked of the proposer this step
+    modeled_ms: float = 0.0  # this sequence's share of the step, by the cost curves alone (uncalibrated)
     probing: bool = False  # this step is a probe
     expected: list[float] = field(default_factory=list)  # this step's E[tokens](γ), γ = 0..γ_max
     verify_ms: list[float] = field(default_factory=list)  # this step's verify cost of γ + 1 tokens
@@ -172,37 +227,64 @@ class AdaptiveGamma:
         decay: float = 0.9,
         request_weight: float = 0.5,
         probe_budget: float = 0.02,
+        horizon: int = 512,
+        min_evidence: float = 3.0,
+        max_prior_weight: float = 4.0,
+        calibration_weight: float = 0.1,
     ) -> None:
         self.costs = costs
         self.decay = decay
         self.probe_budget = probe_budget
+        self.horizon = horizon
+        self.min_evidence = min_evidence
+        self.calibration_weight = calibration_weight
         # where a new sequence's first-position estimate starts: the finished sequences' final estimates,
         # each weighing `request_weight` against the ones before it
         self.prior = prior_acceptance
         self.request_weight = request_weight
+        # how many observations the prior weighs in a new sequence: one, and one more per finished sequence, up
+        # to `max_prior_weight` (requests differ: a new one must still be able to move away from the prior)
+        self.prior_weight = 1.0
+        self.max_prior_weight = max_prior_weight
         self.probe_credit_ms = 0.0  # probe_budget × the time of every plain step so far, less the probes' cost
+        # what the cost curves miss, from the measured time of whole decode steps: plain steps ÷ their modeled
+        # time (the machine now against when the curves were measured), and speculative steps ÷ theirs, over
+        # the plain ratio (a batched forward's per-sequence work, sampling and verifying each row)
+        self.plain_calibration = self.speculation_overhead = 1.0
         self._states: dict[Sequence, _SequenceState] = {}
 
-    def choose(self, seq: Sequence, gamma_max: int) -> int:
+    def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         state = self._state(seq)
-        state.probing, state.rate = False, 0.0
+        state.probing, state.rate, state.batch_size, state.context = False, 0.0, batch_size, seq.num_tokens
+        state.drafted = self._choose(state, seq, gamma_max)
+        state.modeled_ms = self._modeled_ms(state, state.drafted)
+        return state.drafted
+
+    def _choose(self, state: _SequenceState, seq: Sequence, gamma_max: int) -> int:
         if gamma_max == 0:
             return 0
-        context = seq.num_tokens
+        context, batch_size = seq.num_tokens, state.batch_size
+        plain = self.plain_calibration
+        speculative = plain * self.speculation_overhead
         # kept for `trim`, which runs on the same step with the same estimates
         state.expected = tokens = expected_tokens(self._rates(state, gamma_max))
-        state.verify_ms = [self.costs.verify_ms(g + 1, context) for g in range(gamma_max + 1)]
+        state.verify_ms = [self.costs.verify_ms(g + 1, context, batch_size) * (speculative if g else plain)
+                           for g in range(gamma_max + 1)]
         # steady state: the draft model in step with the sequence (its catch-up is a one-off, priced below)
-        per_draft = self.costs.draft_ms(1, context, 1)
+        per_draft = self.costs.draft_ms(1, context, 1, batch_size) * speculative
         times = [g * per_draft + verify for g, verify in enumerate(state.verify_ms)]
         ratios = [t / ms for t, ms in zip(tokens, times)]
         best = max(range(gamma_max + 1), key=ratios.__getitem__)
-        catch_up = self.costs.draft_ms(1, context, state.unseen) - self.costs.draft_ms(1, context, 1)
-        if best > 0 and catch_up > 0:
-            # worth it only if the rest of the request, at the speculative rate, wins back the catch-up
-            remaining = seq.params.max_tokens - len(seq.output_token_ids)
-            if remaining * (times[0] - 1 / ratios[best]) < catch_up:
+        catch_up = self.costs.draft_ms(1, context, state.unseen, batch_size) * speculative - per_draft
+        remaining = min(self.horizon, seq.params.max_tokens - len(seq.output_token_ids))
+        if state.estimate.evidence() < self.min_evidence and (best == 0 or catch_up > 0):
+            if self._worth_trying(state, per_draft, state.verify_ms, remaining, catch_up):
+                if best == 0:  # exploring: the draft is verified whole (rate 0 keeps it from the trim)
+                    return max(range(1, gamma_max + 1), key=ratios.__getitem__)
+            else:
                 best = 0
+        elif best > 0 and catch_up > 0 and remaining * (times[0] - 1 / ratios[best]) < catch_up:
+            best = 0  # the rest of the request, at the speculative rate, would not win the catch-up back
         if best == 0:
             # what a one-token probe costs beyond a plain step if its draft is rejected (priced at the worst:
             # an estimate shrunk towards the prior overstates acceptance exactly where probes are wasted)
@@ -219,12 +301,35 @@ class AdaptiveGamma:
         if num_drafted == 0:
             return 0
         gains = [state.expected[k] - state.rate * state.verify_ms[k] for k in range(num_drafted + 1)]
-        return max(range(num_drafted + 1), key=gains.__getitem__)
+        kept = max(range(num_drafted + 1), key=gains.__getitem__)
+        state.modeled_ms = self._modeled_ms(state, num_drafted, kept)
+        return kept
+
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+        states = [self._states[s] for s in seqs if s in self._states]
+        if not states or len(states) < len(seqs):
+            return
+        modeled = sum(s.modeled_ms for s in states)
+        if modeled <= 0:
+            return
+        ratio = min(3.0, max(0.5, measured_ms / modeled))
+        if any(s.drafted for s in states):
+            overhead = ratio / self.plain_calibration
+            self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
+        else:
+            self.plain_calibration += self.calibration_weight * (ratio - self.plain_calibration)
+
+    def _modeled_ms(self, state: _SequenceState, drafted: int, verified: int | None = None) -> float:
+        """This sequence's share of the step by the cost curves: drafting `drafted` (catch-up included), then
+        verifying `verified` of them."""
+        verified = drafted if verified is None else verified
+        costs, context, batch = self.costs, state.context, state.batch_size
+        return costs.draft_ms(drafted, context, state.unseen, batch) + costs.verify_ms(verified + 1, context, batch)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)
         if num_drafted == 0:
-            self.probe_credit_ms += self.probe_budget * self.costs.verify_ms(1, seq.num_tokens)
+            self.probe_credit_ms += self.probe_budget * self.costs.verify_ms(1, seq.num_tokens, state.batch_size)
             state.unseen += 1
             return
         if state.probing and num_accepted == num_drafted:
@@ -240,12 +345,34 @@ class AdaptiveGamma:
             return  # nothing learned
         [final] = self._rates(state, 1)
         self.prior = (1 - self.request_weight) * self.prior + self.request_weight * final
+        self.prior_weight = min(self.max_prior_weight, self.prior_weight + 1)
+
+    def _worth_trying(
+        self, state: _SequenceState, per_draft: float, verify_ms: list[float], remaining: int, catch_up: float
+    ) -> bool:
+        """Whether speculating now is worth its catch-up and its learning, over the posterior of α."""
+        weights = beta_weights(*state.estimate.first_position_posterior(self.prior))
+        # the steps until the evidence is enough to act on, a token each where α is low
+        learning = min(remaining, math.ceil(self.min_evidence - state.estimate.evidence()))
+        value = -catch_up
+        for alpha, weight in zip(ALPHA_GRID, weights):
+            saved = _ms_saved_per_token(alpha, per_draft, verify_ms)
+            value += weight * ((remaining - learning) * max(0.0, saved) + learning * min(0.0, saved))
+        return value > 0
 
     def _state(self, seq: Sequence) -> _SequenceState:
         state = self._states.get(seq)
         if state is None:
-            state = self._states[seq] = _SequenceState(AcceptanceEstimate(self.decay), unseen=seq.num_tokens)
+            estimate = AcceptanceEstimate(self.decay, self.prior_weight)
+            state = self._states[seq] = _SequenceState(estimate, unseen=seq.num_tokens)
         return state
 
     def _rates(self, state: _SequenceState, depth: int) -> list[float]:
         return state.estimate.rates(depth, self.prior)
+
+
+def _ms_saved_per_token(alpha: float, per_draft: float, verify_ms: list[float]) -> float:
+    """Plain decoding's ms per token less the best γ's at an i.i.d. acceptance α (negative: speculation loses)."""
+    tokens = expected_tokens([alpha] * (len(verify_ms) - 1))
+    best = min((g * per_draft + verify_ms[g]) / tokens[g] for g in range(1, len(verify_ms)))
+    return verify_ms[0] - best

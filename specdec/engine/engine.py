@@ -22,7 +22,7 @@ from specdec.kv_cache import KVCache
 from specdec.metrics import SpecStats
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.sampling import make_generator, processed_probs
+from specdec.sampling import make_generator, processed_probs, token_logprobs
 from specdec.spec.proposers.base import Proposer
 from specdec.spec.verifier import Verified, greedy_match, rejection_sample
 
@@ -75,6 +75,7 @@ class Engine:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_source))
             seq = Sequence(request_id, index, prompt, params, make_generator(seed))
             seq.spec_stats = SpecStats() if self.proposer is not None else None
+            seq.logprobs = [] if params.logprobs is not None else None
             start_detokenizer(seq)
             sequences.append(seq)
         self.waiting.extend(sequences)
@@ -104,14 +105,15 @@ class Engine:
         self._admit()
         if not self.running:
             return []
-        running = list(self.running)
-        pending = [s.pending_token_ids(self.cache.length(s.slot), self.config.max_prefill_chunk) for s in running]
+        running, pending = self._schedule()
         completing = [s for s, tokens in zip(running, pending) if self.cache.length(s.slot) + len(tokens) == s.num_tokens]
         start = time.perf_counter()
         # a speculative step feeds its pending tokens and the draft in one forward; it drafts only where that
         # stays within the rows the model computes exactly as one-token steps (a long last prompt chunk runs
-        # plain, as it would without speculation), so greedy output is identical with and without drafts
-        room = {s: self.model.row_invariant_tokens - len(tokens) for s, tokens in zip(running, pending)}
+        # plain, as it would without speculation), so greedy output is identical with and without drafts; the
+        # drafts share what the step's token budget leaves
+        spare = (self.config.max_num_batched_tokens - sum(map(len, pending))) // max(1, len(completing))
+        room = {s: min(spare, self.model.row_invariant_tokens - len(tokens)) for s, tokens in zip(running, pending)}
         drafts = self._propose(completing, room)
         draft_time = time.perf_counter() - start
 
@@ -132,11 +134,15 @@ class Engine:
             draft_tokens, q, draft_work = drafts.get(seq, ([], None, (0, 0)))
             verified = _verify(seq, seq_logits, draft_tokens, q)
             kept = append_tokens(seq, verified.tokens[0], self.rules)
+            if seq.logprobs is not None:  # row j of the verify logits is the distribution token j was drawn from
+                seq.logprobs += token_logprobs(seq_logits[:kept], verified.tokens[0][:kept], seq.params.logprobs)
             if seq.spec_stats is not None:
                 self.controller.observe(seq, len(draft_tokens), verified.num_accepted[0])
                 seq.spec_stats.record(len(draft_tokens), min(verified.num_accepted[0], kept), *draft_work)
             ready.append(seq)
         verify_time = time.perf_counter() - start
+        if len(completing) == len(running):  # decode steps only: a prompt chunk's cost is not the choice's
+            self.controller.step_timed(completing, (draft_time + verify_time) * 1000)
 
         for seq in ready:
             if seq in drafts and seq.spec_stats is not None:
@@ -150,6 +156,23 @@ class Engine:
             self.proposer.observe([s for s in ready if not s.is_finished])
         return ready
 
+    def _schedule(self) -> tuple[list[Sequence], list[list[int]]]:
+        """This step's sequences and the tokens each feeds, within the token budget: every decoding sequence
+        its sampled token, then prompt chunks in arrival order with what is left (a prompt may wait a step)."""
+        budget = self.config.max_num_batched_tokens
+        decoding = {s for s in self.running if s.num_tokens - self.cache.length(s.slot) == 1}
+        budget -= len(decoding)
+        chunks = {}
+        for seq in self.running:
+            if seq in decoding:
+                chunks[seq] = 1
+            elif budget > 0:
+                unfed = seq.num_tokens - self.cache.length(seq.slot)
+                chunks[seq] = min(budget, self.config.max_prefill_chunk, unfed)
+                budget -= chunks[seq]
+        running = [s for s in self.running if s in chunks]
+        return running, [s.pending_token_ids(self.cache.length(s.slot), chunks[s]) for s in running]
+
     def _propose(
         self, seqs: list[Sequence], room: dict[Sequence, int]
     ) -> dict[Sequence, tuple[list[int], torch.Tensor | None, tuple[int, int]]]:
@@ -157,7 +180,7 @@ class Engine:
         (forwards, tokens fed); the controller picks γ and trims the draft. None without a proposer."""
         if self.proposer is None or not seqs:
             return {}
-        gammas = [self.controller.choose(s, min(self._gamma(s), max(0, room[s]))) for s in seqs]
+        gammas = [self.controller.choose(s, min(self._gamma(s), max(0, room[s])), len(seqs)) for s in seqs]
         if not any(gammas):
             return {}
         draft = self.proposer.propose(seqs, gammas)

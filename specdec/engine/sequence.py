@@ -38,6 +38,7 @@ class Sequence:
     finish_time: float | None = None
     num_forwards: int = 0  # target forwards this sequence took part in
     spec_stats: SpecStats | None = None  # set when the engine speculates
+    logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
 
     @property
     def token_ids(self) -> list[int]:
