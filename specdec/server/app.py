@@ -12,7 +12,7 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -370,26 +370,30 @@ async def _stream_chunks(streams: list[RequestStream], render: Any, include_usag
     """One chunk per choice per step that added text (or finished it); then, if asked, the usage."""
     sent: dict[tuple[int, int], tuple[int, int]] = {}  # (prompt, choice) → (characters, logprob entries) sent
     finals: dict[int, RequestOutput] = {}
-    async for prompt_index, output in _merged(streams):
-        finals[prompt_index] = output
-        for choice in output.outputs:
-            key = (prompt_index, choice.index)
-            if key not in sent:
-                sent[key] = (0, 0)
-                if (first := render.first_chunk(prompt_index, choice.index)) is not None:
-                    yield first
-            chars, entries = sent[key]
-            new_text = choice.text[chars:]
-            new_logprobs = None if choice.logprobs is None else choice.logprobs[entries:]
-            finish = choice.finish_reason
-            if new_text or finish or new_logprobs:
-                yield render.chunk(prompt_index, choice.index, new_text, new_logprobs, chars, finish)
-                sent[key] = (len(choice.text), entries + len(new_logprobs or []))
+    outputs = _merged(streams)
+    try:
+        async for prompt_index, output in outputs:
+            finals[prompt_index] = output
+            for choice in output.outputs:
+                key = (prompt_index, choice.index)
+                if key not in sent:
+                    sent[key] = (0, 0)
+                    if (first := render.first_chunk(prompt_index, choice.index)) is not None:
+                        yield first
+                chars, entries = sent[key]
+                new_text = choice.text[chars:]
+                new_logprobs = None if choice.logprobs is None else choice.logprobs[entries:]
+                finish = choice.finish_reason
+                if new_text or finish or new_logprobs:
+                    yield render.chunk(prompt_index, choice.index, new_text, new_logprobs, chars, finish)
+                    sent[key] = (len(choice.text), entries + len(new_logprobs or []))
+    finally:
+        await outputs.aclose()  # closing this stream aborts its requests at once
     if include_usage:
         yield render.usage_chunk([finals[i] for i in sorted(finals)])
 
 
-def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
+def _sse(chunks: AsyncGenerator[dict, None]) -> StreamingResponse:
     async def events() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
@@ -397,6 +401,8 @@ def _sse(chunks: AsyncIterator[dict]) -> StreamingResponse:
         except EngineError as error:
             body = ErrorResponse(error=ErrorInfo(message=str(error), type="internal_error"))
             yield f"data: {body.model_dump_json()}\n\n"
+        finally:
+            await chunks.aclose()  # a client that left: abort its requests now, not when the generator is collected
         yield "data: [DONE]\n\n"
 
     return StreamingResponse(events(), media_type="text/event-stream")
