@@ -29,6 +29,10 @@ def plain_greedy(tiny_qwen):
 def test_greedy_output_is_token_identical_to_plain(name, gamma, adaptive, tiny_qwen, plain_greedy):
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3,
               speculative_config={**CONFIGS[name], "num_speculative_tokens": gamma, "adaptive": adaptive})
+    if adaptive:
+        # a tiny model's steps are mostly Python overhead, which step-time calibration would learn and (rightly)
+        # decode plain for, depending on the machine's timing; this test needs drafts accepted and rejected
+        llm.engine.controller.calibration_weight = 0.0
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == plain_greedy
     stats = [o.metrics.speculative_decoding for o in outputs]
