@@ -62,7 +62,7 @@ class APIError(Exception):
 def build_app(llm: LLM, model_name: str, api_key: str | None = None) -> FastAPI:
     """An app serving `llm` under `model_name`; with `api_key`, every /v1 route needs `Authorization: Bearer KEY`."""
     metrics = ServerMetrics(model_name)
-    engine_loop = EngineLoop(llm, on_finished=metrics.request_finished)
+    engine_loop = EngineLoop(llm.engine, on_finished=metrics.request_finished)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

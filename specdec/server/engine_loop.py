@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SamplingParams
 from specdec.engine.sequence import Sequence
-from specdec.llm import LLM
+from specdec.engine.engine import Engine
 from specdec.outputs import RequestOutput
 
 
@@ -67,9 +67,8 @@ class EngineLoop:
     between steps, so the event loop never waits for a step and a new request joins at the next one (a
     lock around the step starved them: the stepping thread took it straight back)."""
 
-    def __init__(self, llm: LLM, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
-        self.llm = llm
-        self.engine = llm.engine
+    def __init__(self, engine: Engine, on_finished: Callable[[RequestOutput], None] | None = None) -> None:
+        self.engine = engine
         self._on_finished = on_finished  # called on the engine thread with each finished request's output
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._inbox: deque[Callable[[], None]] = deque()  # commands from any thread, run by the engine thread
