@@ -95,7 +95,7 @@ def _parser() -> argparse.ArgumentParser:
     models_list.set_defaults(run=_models_list)
 
     bench = commands.add_parser("bench", help="benchmarks (see specdec/bench); without a name: the sweep")
-    bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram, gamma_trace, serve_load")
+    bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram, gamma_trace, serve_load, cuda")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
     bench.set_defaults(run=_bench)
     return parser

@@ -80,13 +80,15 @@ def exact_first_two(target_dir, prompt: list[int], params) -> torch.Tensor:
     return p1[:, None] * p2
 
 
-def sampled_first_two(target_dir, speculative_config: dict, params, prompt: list[int], controller=None) -> tuple[torch.Tensor, dict]:
+def sampled_first_two(
+    target_dir, speculative_config: dict, params, prompt: list[int], controller=None, device: str = "cpu"
+) -> tuple[torch.Tensor, dict]:
     """Counts of (t1, t2) over params.n samples generated in one call (float32 target), and the speculation
     stats; `controller(llm)` (optional) builds the engine's γ controller."""
     from specdec import LLM
 
     llm = LLM(str(target_dir), speculative_config=speculative_config, quantization=None, skip_tokenizer_init=True,
-              max_model_len=max(16, len(prompt) + 8), max_num_seqs=512)
+              max_model_len=max(16, len(prompt) + 8), max_num_seqs=512, device=device)
     if controller is not None:
         llm.engine.controller = controller(llm)
     [out] = llm.generate({"prompt_token_ids": prompt}, params, use_tqdm=False)

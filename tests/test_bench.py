@@ -114,6 +114,23 @@ def test_ngram_bench_on_a_tiny_model(tmp_path):
     assert "<!-- bench:ngram -->" in table and "### `edit`" in table and "### `code`" in table
 
 
+def test_cuda_bench_runs_on_the_cpu_with_tiny_configs(tiny_qwen, tiny_qwen_draft, tmp_path):
+    """The GPU bench's own code, where CI can run it: on the CPU, float32 rows are exact, so the target as its
+    own draft has every draft accepted and every output equal to plain decoding."""
+    out = tmp_path / "cuda.json"
+    ks = ["1", "2", "4", "70"]
+    assert run_benchmark("cuda", ["--device", "cpu", "--dtype", "float32", "--target-config", str(tiny_qwen / "config.json"),
+                                  "--draft-config", str(tiny_qwen_draft / "config.json"), "--ks", *ks, "--max-tokens", "24",
+                                  "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["ceilings"]["read_bytes_per_s"] > 0 and result["ceilings"]["fp32_macs_per_s"] > 0
+    for curves in result["curves"].values():
+        for row in curves.values():
+            assert sorted(row, key=int) == ks and all(v["ms"] > 0 and v["roofline_ms"] > 0 for v in row.values())
+    assert result["decode"]["draft = target"]["acceptance"] == 1.0
+    assert {run["identical_to_plain"] for run in result["decode"].values()} == {"3/3"}
+
+
 def test_unknown_benchmark():
     with pytest.raises(ValueError, match="unknown benchmark 'nope'"):
         run_benchmark("nope", [])

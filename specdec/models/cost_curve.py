@@ -127,19 +127,21 @@ def measure_cost_curve(
     return CostCurve(ms, spread)
 
 
-def machine_fingerprint() -> str:
-    """What the curve depends on besides the model: CPU, threads, torch build."""
+def machine_fingerprint(device: torch.device | str = "cpu") -> str:
+    """What the curve depends on besides the model: CPU, threads, torch build, and the GPU if it runs on one."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
     key = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    if torch.device(device).type == "cuda":
+        key += f"|{torch.cuda.get_device_name(device)}|{torch.version.cuda}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]
 
 
-def cost_curve_path(cache_dir: Path, model_key: str) -> Path:
+def cost_curve_path(cache_dir: Path, model_key: str, device: torch.device | str = "cpu") -> Path:
     safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in model_key)
-    return cache_dir / "cost" / machine_fingerprint() / f"{safe}.v{CURVE_VERSION}.json"
+    return cache_dir / "cost" / machine_fingerprint(device) / f"{safe}.v{CURVE_VERSION}.json"
 
 
 def save_cost_curve(path: Path, curve: CostCurve) -> None:
@@ -152,7 +154,7 @@ def save_cost_curve(path: Path, curve: CostCurve) -> None:
 def cached_cost_curve(model: Decoder, cache_dir: Path, refresh: bool = False) -> CostCurve:
     """The curve for this model and format (`model.name`) on this machine: read from the cache, or
     measured once."""
-    path = cost_curve_path(cache_dir, model.name)
+    path = cost_curve_path(cache_dir, model.name, model.device)
     if path.exists() and not refresh:
         return CostCurve.from_json(json.loads(path.read_text()))
     curve = measure_cost_curve(model)

@@ -11,8 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.kv_cache import KVCache
 from specdec.models.batch import ForwardBatch, ForwardOutput
@@ -130,14 +133,15 @@ class Decoder:
         cos, sin = self._rope(batch.positions.to(self.device))
         masks = [None if m is None else self._mask(m) for m in batch.masks]
         layer_hidden: dict[int, torch.Tensor] = {}
-        for index, layer in enumerate(self.layers):
-            h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-            x = x + layer.o(self._attention(layer.qkv(h), cos, sin, index, batch, masks, cache))
-            h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
-            gate, up = layer.gate_up(h).chunk(2, dim=-1)
-            x = x + layer.down(F.silu(gate) * up)
-            if index in batch.hidden_layers:
-                layer_hidden[index] = x
+        with self._attention_backends():
+            for index, layer in enumerate(self.layers):
+                h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+                x = x + layer.o(self._attention(layer.qkv(h), cos, sin, index, batch, masks, cache))
+                h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
+                gate, up = layer.gate_up(h).chunk(2, dim=-1)
+                x = x + layer.down(F.silu(gate) * up)
+                if index in batch.hidden_layers:
+                    layer_hidden[index] = x
         for slot, n in zip(batch.slots, batch.num_new):
             cache.advance(slot, n)
         hidden = _rms_norm(x, self.final_norm, c.rms_norm_eps)
@@ -145,6 +149,14 @@ class Decoder:
         # logits go to the CPU, where sampling and verification run with per-request generators
         logits = self.lm_head(rows).float().cpu()
         return ForwardOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+
+    def _attention_backends(self) -> contextlib.AbstractContextManager:
+        """On CUDA, PyTorch's attention without its cuDNN backend: cuDNN builds a plan for every new key length,
+        and decoding meets a new length every step (measured on an H200: the first pass over new lengths ran
+        ~4× slower than a repeat of the same lengths)."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
     def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions[:, None].float() * self.inv_freq[None, :]
