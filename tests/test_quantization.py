@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
 from specdec.models.batch import ForwardBatch, SequenceInput
@@ -11,11 +13,16 @@ from specdec.models.linear import (
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_TARGET_QUANTIZATION,
     Int8Linear,
+    OneDnnInt8Linear,
     PrepackedLinear,
+    VnniInt8Linear,
     linear_kernel,
     resolve_quantization,
 )
+from specdec.models import kernels
 from specdec.models.loader import load_decoder
+
+needs_vnni = pytest.mark.skipif(kernels.int8_vnni() is None, reason="no AVX-512 VNNI on this CPU (or no compiler)")
 
 # Tiny random models have flat logits and no outliers to protect: int8 weights + per-row int8
 # activations give ~4% relative L2 error on their logits (the real 1.5B is judged by NLL in
@@ -41,10 +48,11 @@ def test_int8_logits_close_to_float32(fixture, request):
     assert (quantized.argmax(-1) == reference.argmax(-1)).float().mean().item() >= 0.85
 
 
-def test_int8_linear_rows_are_batch_invariant_and_accurate():
+@pytest.mark.parametrize("kernel", [OneDnnInt8Linear, pytest.param(VnniInt8Linear, marks=needs_vnni)])
+def test_int8_linear_rows_are_batch_invariant_and_accurate(kernel):
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(96, 160, generator=g) * 0.05, torch.randn(96, generator=g)
-    linear = Int8Linear(weight, bias)
+    linear = kernel(weight, bias)
     # rows of very different magnitude: a per-tensor activation scale would crush the small ones
     x = torch.randn(7, 160, generator=g) * torch.tensor([1e-3, 1.0, 50.0, 0.2, 3.0, 1e2, 7.0])[:, None]
     together = linear(x)
@@ -55,6 +63,36 @@ def test_int8_linear_rows_are_batch_invariant_and_accurate():
         assert ((alone[0] - reference).norm() / reference.norm()).item() < INT8_LINEAR_REL_ERROR
     for rows in (2, 3, 5):
         assert torch.equal(linear(x[:rows]), together[:rows])
+
+
+@needs_vnni
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 20),
+    out_features=st.integers(1, 200),
+    in_features=st.integers(1, 300),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_vnni_kernel_equals_onednn_bitwise(rows, out_features, in_features, with_bias, seed):
+    """Any shape (channels past a 64-wide panel, features not a multiple of 4 or 16), any row count: specdec's
+    kernel gives oneDNN's result bit for bit, and each row alone equals that row in the batch."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g) * 0.05
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    magnitudes = 10.0 ** torch.randint(-4, 3, (rows, 1), generator=g)
+    x = torch.randn(rows, in_features, generator=g) * magnitudes
+    x[torch.randint(0, rows, (1,), generator=g)] = 0.0  # an all-zero row
+    vnni, onednn = VnniInt8Linear(weight, bias), OneDnnInt8Linear(weight, bias)
+    together = vnni(x)
+    assert torch.equal(together, onednn(x))
+    for i in range(rows):
+        assert torch.equal(vnni(x[i : i + 1])[0], together[i])
+
+
+def test_int8_kernel_is_chosen_once_per_process():
+    chosen = linear_kernel(torch.float32, "cpu", "int8")
+    assert chosen is (VnniInt8Linear if kernels.int8_vnni() is not None else OneDnnInt8Linear)
 
 
 def test_int8_decoder_block_matches_single_steps(tiny_qwen):

@@ -125,8 +125,9 @@ def curve_table(results: list[dict[str, Any]], argv: Sequence[str], plot: Path) 
         "median of 5 rounds that each sweep every (context, k) in turn; in brackets the ratio to roofline(k) = max(bytes read / "
         "bandwidth, MACs / MAC rate), bytes = weights in their format + the KV cache, MACs = linear layers at the "
         "format's rate + attention at the fp32 rate; both ceilings measured in the same worker before and after "
-        "the curve and the decode passes, each taken at its best (bandwidth = the fastest of: fp32 sum, fp32 and "
-        f"int8 oneDNN matrix-vector products over 512 MiB). Plot: `{plot.name}`. {environment_line()}",
+        "the curve and the decode passes, each taken at its best (bandwidth = the fastest of: fp32 sum, oneDNN's fp32 "
+        f"and int8 matrix-vector products and specdec's int8 kernel where it runs, over 512 MiB; int8 MAC rate: the "
+        f"faster int8 kernel). Plot: `{plot.name}`. {environment_line()}",
         "",
         "| model | format | read GB/s: best (before, after) | fastest reader | fp32 G MAC/s | int8 G MAC/s |",
         "|---|---|---|---|---|---|",

@@ -5,7 +5,8 @@ CPU weight once into oneDNN's blocked layout: one row costs what the weight take
 rows up to ~8 cost little more, where the stock kernel costs 2–3× more for 2–3 rows than for one.
 `Int8Linear` stores int8 weights (one scale per output channel) and quantizes activations per
 row, so sums are exact int32 and a row's result never depends on the other rows of the forward
-(batch invariance, tested bitwise). Measurements behind the choices: BENCHMARKS.md (cost_curve).
+(batch invariance, tested bitwise); specdec's own AVX-512 VNNI kernel computes it where the CPU
+has one, oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
 `linear_kernel` chooses once, when the model loads; nothing is decided per call.
 """
 
@@ -17,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
+from specdec.models import kernels
 
 # The formats "auto" picks on a CPU with oneDNN's int8 kernels, from end-to-end measurements
 # (BENCHMARKS.md: formats and draft_model sections): int8 makes plain decoding ~3× faster than
@@ -56,29 +58,44 @@ class PrepackedLinear:
 class Int8Linear:
     """int8 weights with per-output-channel scales; activations quantized to int8 per row.
 
-    y[i, n] = s_x[i] · s_w[n] · Σ_k round(x[i, k] / s_x[i]) · W8[n, k] + b[n], the sum exact in
-    int32 inside oneDNN's VNNI/AVX2 int8 GEMM (weights packed once). Symmetric scales: s = max|·| / 127.
+    y[i, n] = s_x[i] · s_w[n] · Σ_k round(x[i, k] / s_x[i]) · W8[n, k] + b[n], the sum exact in int32, so a
+    row's result never depends on the other rows. Symmetric scales: s = max|·| / 127. Two kernels compute
+    it, bitwise alike (tested): `VnniInt8Linear` where it runs, else `OneDnnInt8Linear`; `int8_linear`
+    picks one per process.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.float()
         scale = (weight.abs().amax(dim=1) / 127).clamp_(min=torch.finfo(torch.float32).tiny)
-        self._pack(torch.round(weight / scale[:, None]).to(torch.int8), scale, bias)
+        self._init(torch.round(weight / scale[:, None]).to(torch.int8), scale, bias)
 
     @classmethod
     def from_quantized(cls, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
         """From int8 weights [out, in] and their per-output-channel float scales."""
         linear = cls.__new__(cls)
-        linear._pack(quantized, scale.float(), bias)
+        linear._init(quantized, scale, bias)
         return linear
 
-    def _pack(self, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
-        self.scale = scale
-        self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
-        self.zero_points = torch.zeros(quantized.shape[0], dtype=torch.int64)
-        self.bias = None if bias is None else bias.float()
+    def _init(self, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
+        self.scale = scale.float().contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = quantized.shape
         self.weight_bytes = quantized.numel() + 4 * scale.numel()
+        self._pack(quantized)
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        raise NotImplementedError
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class OneDnnInt8Linear(Int8Linear):
+    """oneDNN's VNNI/AVX2 int8 GEMM (weights packed once); the activations quantized by PyTorch ops."""
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
+        self.zero_points = torch.zeros(quantized.shape[0], dtype=torch.int64)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         row_scale = x.abs().amax(dim=-1, keepdim=True).clamp_(min=torch.finfo(torch.float32).tiny).div_(127)
@@ -88,6 +105,26 @@ class Int8Linear:
             quantized, 1.0, 128, self.packed, self.scale, self.zero_points, None, 1.0, 0, torch.float32, "none", [], ""
         ).mul_(row_scale)
         return y if self.bias is None else y.add_(self.bias)
+
+
+class VnniInt8Linear(Int8Linear):
+    """specdec's AVX-512 VNNI kernel (kernels/int8_linear.cpp): one call quantizes the rows, streams the weights
+    once for all of them and applies the scales and bias. For the 1 to 16 rows of decoding and verification
+    it is 1.1–1.3× oneDNN's kernel, and up to 6 rows it costs what reading the weights costs (BENCHMARKS.md)."""
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        self.kernel = kernels.int8_vnni()
+        self.packed, self.column_sums = self.kernel.pack(quantized)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.linear(rows, self.packed, self.column_sums, self.scale, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
+def int8_linear() -> type[Int8Linear]:
+    """The int8 kernel for this process: specdec's VNNI kernel where the CPU has AVX-512 VNNI and it builds."""
+    return VnniInt8Linear if kernels.int8_vnni() is not None else OneDnnInt8Linear
 
 
 Linear = DenseLinear | PrepackedLinear | Int8Linear
@@ -129,4 +166,4 @@ def linear_kernel(
         raise ValueError(f"int8 quantization needs a CPU with oneDNN's int8 kernels; device {device!r} has none")
     if dtype != torch.float32:
         raise ValueError(f"int8 quantization computes in float32; got dtype {dtype}")
-    return Int8Linear
+    return int8_linear()

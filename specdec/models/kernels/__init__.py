@@ -1,0 +1,46 @@
+"""C++ kernels, compiled on first use with `torch.utils.cpp_extension` (torch caches the build under
+`TORCH_EXTENSIONS_DIR`, by default ~/.cache/torch_extensions). Where a kernel can't run (another CPU) or
+can't build (no compiler), its loader returns None with a warning and callers keep PyTorch's kernels."""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from pathlib import Path
+from types import ModuleType
+
+INT8_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+
+
+def cpu_flags() -> set[str]:
+    cpuinfo = Path("/proc/cpuinfo")
+    if not cpuinfo.exists():
+        return set()
+    line = next((line for line in cpuinfo.read_text().splitlines() if line.startswith("flags")), "")
+    return set(line.partition(":")[2].split())
+
+
+def _build(name: str, source: str, flags: tuple[str, ...]) -> ModuleType | None:
+    """Compile `source` for the instruction sets `flags` (as /proc/cpuinfo names them), checked first: code built
+    for them must not even load on a CPU without them."""
+    if not set(flags) <= cpu_flags():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+
+        return load(
+            name=name,
+            sources=[str(Path(__file__).with_name(source))],
+            extra_cflags=["-O3", "-fopenmp", *(f"-m{flag.replace('_', '')}" for flag in flags)],
+            extra_ldflags=["-fopenmp"],
+        )
+    except Exception as error:  # no compiler, headers or linker: PyTorch's kernels still work
+        warnings.warn(f"specdec: the kernel {name} did not build ({error}); PyTorch's kernels run instead")
+        return None
+
+
+@functools.cache
+def int8_vnni() -> ModuleType | None:
+    """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None."""
+    return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
+
