@@ -10,19 +10,6 @@ import torch
 from specdec.bench.tiny import build_tiny_model, perturbed_copy
 
 
-def tree_mask(parents: list[int], prefix_len: int) -> torch.Tensor:
-    """Attention mask for tree nodes after a prefix: each node sees the prefix, itself and its ancestors."""
-    n = len(parents)
-    mask = torch.zeros(n, prefix_len + n, dtype=torch.bool)
-    mask[:, :prefix_len] = True
-    for node in range(n):
-        ancestor = node
-        while ancestor >= 0:
-            mask[node, prefix_len + ancestor] = True
-            ancestor = parents[ancestor]
-    return mask
-
-
 @pytest.fixture(scope="session")
 def tiny_qwen(tmp_path_factory) -> Path:
     return build_tiny_model(tmp_path_factory.mktemp("tiny-qwen2"), "qwen2")

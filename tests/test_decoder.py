@@ -6,10 +6,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from conftest import tree_mask
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.linear import DenseLinear, PrepackedLinear
 from specdec.models.loader import load_decoder
+from specdec.spec.tree import ROOT, TokenTree
 
 # float32 through a few layers: differences come only from summation order.
 ATOL = 2e-5
@@ -78,19 +78,18 @@ def test_last_logits_only_and_hidden_layers(tiny_qwen):
 def test_tree_mask_and_positions_give_each_branch_its_chain_logits(tiny_llama):
     """A tree of new tokens in one forward: every node's logits equal those of its root→node chain."""
     decoder = load_decoder(tiny_llama)
-    prefix = [10, 20, 30, 40]
-    # nodes: 0 = 'a' (child of prefix), 1 = 'b' (child of 0), 2 = 'c' (child of 0), 3 = 'd' (child of 2)
-    tokens, parents = [50, 60, 70, 80], [-1, 0, 0, 2]
-    depth = [0, 1, 1, 2]
+    prefix = [10, 20, 30]
+    # the root 40 (last sampled token); nodes 50 under it, 60 and 70 under 50, 80 under 70
+    tree, root, nodes = TokenTree((ROOT, 0, 0, 2)), 40, [50, 60, 70, 80]
     cache = decoder.new_kv_cache(1, 32)
     slot = cache.allocate()
     run(decoder, cache, [SequenceInput(slot, prefix)])
-    mask = tree_mask(parents, len(prefix))
-    positions = [len(prefix) + d for d in depth]
-    tree = run(decoder, cache, [SequenceInput(slot, tokens, positions=positions, mask=mask)]).logits
-    for node, chain in [(0, [50]), (1, [50, 60]), (2, [50, 70]), (3, [50, 70, 80])]:
+    inputs = SequenceInput(slot, [root, *nodes], positions=tree.positions(len(prefix)).tolist(),
+                           mask=tree.attention_mask(len(prefix)), num_logits=1 + tree.num_nodes)
+    logits = run(decoder, cache, [inputs]).logits
+    for row, chain in [(0, [40]), (1, [40, 50]), (2, [40, 50, 60]), (3, [40, 50, 70]), (4, [40, 50, 70, 80])]:
         reference = hf_logits(tiny_llama, prefix + chain)[-1]
-        torch.testing.assert_close(tree[node], reference, atol=ATOL, rtol=0)
+        torch.testing.assert_close(logits[row], reference, atol=ATOL, rtol=0)
 
 
 def test_forward_past_the_slot_is_refused_without_writing(tiny_qwen):

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import tree_mask
 from specdec.kv_cache import KVCache, KVCacheFullError
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.loader import load_decoder
+from specdec.spec.tree import ROOT, TokenTree
 
 # Logits after rollback vs a fresh prefill of the kept tokens: the same math in another
 # summation order (different row counts per matrix product), so float32 rounding only.
@@ -80,13 +80,14 @@ def test_truncate_is_bitwise_the_same_forwards_without_the_rejected_tokens(tiny_
 def test_compact_keeps_a_tree_path_bitwise_and_continues_like_a_fresh_prefill(tiny_llama):
     decoder = load_decoder(tiny_llama)
     prefix = [3, 1, 4, 1, 5]
-    tokens, parents, depth = [9, 2, 6, 5], [-1, 0, 0, 2], [0, 1, 1, 2]
-    mask = tree_mask(parents, len(prefix))
+    # root 9 (the last sampled token), nodes 2 and 6 under it, 5 under 6
+    tree, root, nodes = TokenTree((ROOT, ROOT, 1)), 9, [2, 6, 5]
     cache = decoder.new_kv_cache(1, 32)
     slot = cache.allocate()
     forward(decoder, cache, slot, prefix)
-    forward(decoder, cache, slot, tokens, positions=[len(prefix) + d for d in depth], mask=mask)
-    path = [len(prefix) + 0, len(prefix) + 2, len(prefix) + 3]  # nodes 9 → 6 → 5
+    forward(decoder, cache, slot, [root, *nodes], positions=tree.positions(len(prefix)).tolist(),
+            mask=tree.attention_mask(len(prefix)))
+    path = [len(prefix) + 0, len(prefix) + 2, len(prefix) + 3]  # root 9 → 6 → 5
     expected_keys = cache.keys[:, slot, :, path].clone()
     prefix_keys = cache.keys[:, slot, :, : len(prefix)].clone()
     cache.compact(slot, len(prefix), path)

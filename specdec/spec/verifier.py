@@ -12,6 +12,13 @@ Chain rule, per drafted token x_i in order: accept with probability min(1, p_i(x
 At the first rejection, emit a token from the residual norm(max(0, p_i − q_i)) and stop. If all
 γ are accepted, emit a bonus token from p_γ+1. Each step therefore emits between 1 and γ + 1
 tokens, distributed exactly as sampling them one by one from p.
+
+Trees (spec/tree.py; SpecInfer, Miao et al. 2024): at the current node, its children are tried in
+order against a residual that starts as p there: accept child x with probability
+min(1, r(x) / q(x)); on rejection r ← norm(max(0, r − q)) and try the next child; accepted, move
+to the child (a fresh p); all rejected, emit a token from r and stop. Lossless when a node's
+children are i.i.d. draws from q (or deterministic candidates: q one-hot at each, so a rejected
+candidate is removed from r). Medusa's typical acceptance is lossy and opt-in.
 """
 
 from __future__ import annotations
@@ -19,7 +26,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import math
+
 import torch
+
+from specdec.spec.tree import ROOT, TokenTree
 
 
 @dataclass(frozen=True)
@@ -75,6 +86,77 @@ def greedy_match(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_dr
         num_accepted.append(n)
         tokens.append(best[: n + 1])
     return Verified(num_accepted, tokens)
+
+
+@dataclass(frozen=True)
+class TreeVerified:
+    """The accepted nodes (depth 1 first) and the tokens to append: theirs, then one bonus or replacement token."""
+
+    path: list[int]
+    tokens: list[int]
+
+
+def tree_greedy_match(tree: TokenTree, node_tokens: Sequence[int], target_argmax: Sequence[int]) -> TreeVerified:
+    """Temperature 0: from the root, follow the child holding argmax p (rows: 0 = the root, 1 + j = node j) while
+    there is one; then emit argmax p. Token-identical to plain greedy decoding."""
+    path, node = [], ROOT
+    while True:
+        best = int(target_argmax[1 + node])
+        child = next((c for c in tree.children(node) if node_tokens[c] == best), None)
+        if child is None:
+            return TreeVerified(path, [int(node_tokens[c]) for c in path] + [best])
+        path.append(child)
+        node = child
+
+
+def tree_rejection_sample(
+    tree: TokenTree,
+    node_tokens: Sequence[int],
+    p: torch.Tensor,
+    q: torch.Tensor | None,
+    generator: torch.Generator | None,
+) -> TreeVerified:
+    """p [1 + n, V]: the target's distribution after the root and after each node; q [1 + n, V]: the draft's
+    distribution that each node's children were drawn from (i.i.d.), or None for deterministic candidates."""
+    path, node = [], ROOT
+    while True:
+        residual = p[1 + node]
+        q_node = None if q is None else q[1 + node]
+        for child in tree.children(node):
+            x = int(node_tokens[child])
+            q_x = 1.0 if q_node is None else float(q_node[x])
+            if float(torch.rand((), generator=generator)) * q_x < float(residual[x]):
+                path.append(child)
+                node = child
+                break
+            residual = _residual(residual, q_node, x)
+        else:
+            return TreeVerified(path, [int(node_tokens[c]) for c in path] + [_draw(residual, generator)])
+
+
+def tree_typical_accept(
+    tree: TokenTree,
+    node_tokens: Sequence[int],
+    p: torch.Tensor,
+    generator: torch.Generator | None,
+    posterior_threshold: float = 0.09,
+    posterior_alpha: float = 0.3,
+) -> TreeVerified:
+    """Medusa's typical acceptance (lossy): node j's token x passes if p_parent(x) > min(ε, δ·exp(−H(p_parent)))
+    (ε = posterior_threshold, δ = posterior_alpha) and its parent passed; the deepest passing node wins (the
+    first in node order among equals), then one token is drawn from p after it. At temperature 0 (p one-hot)
+    only argmax tokens pass: greedy decoding."""
+    entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
+    threshold = [min(posterior_threshold, posterior_alpha * math.exp(-float(h))) for h in entropy]
+    passed = [False] * tree.num_nodes
+    best = ROOT
+    for node, parent in enumerate(tree.parents):  # parents come first: their verdicts are known
+        if (parent == ROOT or passed[parent]) and float(p[1 + parent, int(node_tokens[node])]) > threshold[1 + parent]:
+            passed[node] = True
+            if best == ROOT or tree.depths[node] > tree.depths[best]:
+                best = node
+    path = tree.path_to(best)
+    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [_draw(p[1 + best], generator)])
 
 
 def _residual(p_i: torch.Tensor, q_i: torch.Tensor | None, x: int) -> torch.Tensor:
