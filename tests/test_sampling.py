@@ -7,7 +7,7 @@ import torch
 from scipy.stats import chisquare
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.sampling import make_generator, processed_probs, sample
+from specdec.sampling import DRAW_BLOCK, draw, make_generator, processed_probs, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -79,6 +79,25 @@ def test_sampling_matches_distribution_chi_square():
     assert torch.bincount(draws, minlength=6)[4:].sum() == 0  # filtered tokens never drawn
     # 3 degrees of freedom; p < 1e-3 would be a real mismatch at this sample size.
     assert chisquare(counts.numpy(), expected.numpy()).pvalue > 1e-3
+
+
+def test_draw_across_blocks_matches_the_distribution():
+    """Mass at block edges, the first and last entries, an empty block, the short last block."""
+    vocab = 3 * DRAW_BLOCK + 77
+    support = [0, 5, DRAW_BLOCK - 1, DRAW_BLOCK, DRAW_BLOCK + 1, 3 * DRAW_BLOCK, 3 * DRAW_BLOCK + 40, vocab - 1]  # block 2 empty
+    probs = torch.zeros(vocab)
+    probs[support] = torch.tensor([0.05, 0.2, 0.1, 0.15, 0.02, 0.18, 0.1, 0.2])
+    g = make_generator(3)
+    n = 40_000
+    draws = torch.tensor([draw(probs, g) for _ in range(n)])
+    counts = torch.bincount(draws, minlength=vocab)
+    assert counts[probs == 0].sum() == 0
+    expected = probs[support].double() / probs.double().sum() * n
+    assert chisquare(counts[support].double().numpy(), expected.numpy()).pvalue > 1e-3
+    for only in (0, DRAW_BLOCK - 1, vocab - 1):
+        one_hot = torch.zeros(vocab)
+        one_hot[only] = 1.0
+        assert {draw(one_hot, g) for _ in range(20)} == {only}
 
 
 def test_seeded_generators_reproduce_and_differ_by_seed():

@@ -24,7 +24,7 @@ def synthetic(gamma: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     return p, q
 
 
-def run_chain(verify, p, q, deterministic: bool, seed: int = 1) -> list[list[int]]:
+def run_chain(verify, p, q, deterministic: bool, seed: int = 2) -> list[list[int]]:
     """N independent steps (one batched call) drafting from q, or proposing argmax q as a fixed guess."""
     gamma = q.shape[0]
     g = torch.Generator().manual_seed(seed)

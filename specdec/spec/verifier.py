@@ -30,6 +30,7 @@ import math
 
 import torch
 
+from specdec.sampling import draw
 from specdec.spec.tree import ROOT, TokenTree
 
 
@@ -62,10 +63,10 @@ def rejection_sample(
             if u * q_x < p_x:  # u < p(x)/q(x), accepted with probability min(1, p/q)
                 emitted.append(x)
                 continue
-            emitted.append(_draw(_residual(p[row, i], None if q is None else q[row, i], x), g))
+            emitted.append(draw(_residual(p[row, i], None if q is None else q[row, i], x), g))
             break
         else:
-            emitted.append(_draw(p[row, gamma], g))  # all accepted: bonus token from p
+            emitted.append(draw(p[row, gamma], g))  # all accepted: bonus token from p
         num_accepted.append(len(emitted) - 1)
         tokens.append(emitted)
     return Verified(num_accepted, tokens)
@@ -131,7 +132,7 @@ def tree_rejection_sample(
                 break
             residual = _residual(residual, q_node, x)
         else:
-            return TreeVerified(path, [int(node_tokens[c]) for c in path] + [_draw(residual, generator)])
+            return TreeVerified(path, [int(node_tokens[c]) for c in path] + [draw(residual, generator)])
 
 
 def tree_typical_accept(
@@ -156,7 +157,7 @@ def tree_typical_accept(
             if best == ROOT or tree.depths[node] > tree.depths[best]:
                 best = node
     path = tree.path_to(best)
-    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [_draw(p[1 + best], generator)])
+    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [draw(p[1 + best], generator)])
 
 
 def _residual(p_i: torch.Tensor, q_i: torch.Tensor | None, x: int) -> torch.Tensor:
@@ -171,5 +172,3 @@ def _residual(p_i: torch.Tensor, q_i: torch.Tensor | None, x: int) -> torch.Tens
     return residual / total if total > 0 else p_i
 
 
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    return int(torch.multinomial(probs, 1, generator=generator))
