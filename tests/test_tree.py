@@ -105,6 +105,13 @@ def test_greedy_tree_is_token_identical_to_greedy_decoding(tree, root, data):
     assert result.path == [] or result.path == tree.path_to(result.path[-1])
 
 
+def test_greedy_takes_the_deepest_match_when_siblings_repeat_a_token():
+    tree = TokenTree((ROOT, ROOT, 1))  # two depth-1 nodes proposing the same token; only the second has a child
+    argmax = [7, 8, 8, 9]  # after the root: 7; after node 1: 8; after node 2: 9
+    result = tree_greedy_match(tree, [7, 7, 8], argmax)
+    assert result.path == [1, 2] and result.tokens == [7, 8, 9]
+
+
 # --- distributions: the first three tokens against the chain's exact law -------------------------
 
 SAMPLES = 30_000

@@ -8,10 +8,9 @@ matrix each so a layer makes four matrix products. The forward takes an explicit
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Any
-
-import contextlib
 
 import torch
 import torch.nn.functional as F

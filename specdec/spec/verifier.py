@@ -98,16 +98,18 @@ class TreeVerified:
 
 
 def tree_greedy_match(tree: TokenTree, node_tokens: Sequence[int], target_argmax: Sequence[int]) -> TreeVerified:
-    """Temperature 0: from the root, follow the child holding argmax p (rows: 0 = the root, 1 + j = node j) while
-    there is one; then emit argmax p. Token-identical to plain greedy decoding."""
-    path, node = [], ROOT
-    while True:
-        best = int(target_argmax[1 + node])
-        child = next((c for c in tree.children(node) if node_tokens[c] == best), None)
-        if child is None:
-            return TreeVerified(path, [int(node_tokens[c]) for c in path] + [best])
-        path.append(child)
-        node = child
+    """Temperature 0: the deepest node whose whole path holds argmax p at every step (rows: 0 = the root, 1 + j =
+    node j; the first in node order among equals: siblings may repeat a token), then argmax p after it.
+    Token-identical to plain greedy decoding."""
+    matched = [False] * tree.num_nodes
+    best = ROOT
+    for node, parent in enumerate(tree.parents):  # parents come first: their verdicts are known
+        if (parent == ROOT or matched[parent]) and int(node_tokens[node]) == int(target_argmax[1 + parent]):
+            matched[node] = True
+            if best == ROOT or tree.depths[node] > tree.depths[best]:
+                best = node
+    path = tree.path_to(best)
+    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [int(target_argmax[1 + best])])
 
 
 def tree_rejection_sample(
