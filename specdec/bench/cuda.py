@@ -64,9 +64,9 @@ def random_checkpoint(config_path: Path, directory: Path, dtype: torch.dtype, de
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     model.save_pretrained(directory)
-    for extra in ("generation_config.json",):
-        if (config_path.parent / extra).exists():
-            (directory / extra).write_text((config_path.parent / extra).read_text())
+    generation_config = config_path.parent / "generation_config.json"
+    if generation_config.exists():
+        (directory / generation_config.name).write_text(generation_config.read_text())
     return directory
 
 

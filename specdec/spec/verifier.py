@@ -23,7 +23,7 @@ candidate is removed from r). Medusa's typical acceptance is lossy and opt-in.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import math
@@ -101,13 +101,7 @@ def tree_greedy_match(tree: TokenTree, node_tokens: Sequence[int], target_argmax
     """Temperature 0: the deepest node whose whole path holds argmax p at every step (rows: 0 = the root, 1 + j =
     node j; the first in node order among equals: siblings may repeat a token), then argmax p after it.
     Token-identical to plain greedy decoding."""
-    matched = [False] * tree.num_nodes
-    best = ROOT
-    for node, parent in enumerate(tree.parents):  # parents come first: their verdicts are known
-        if (parent == ROOT or matched[parent]) and int(node_tokens[node]) == int(target_argmax[1 + parent]):
-            matched[node] = True
-            if best == ROOT or tree.depths[node] > tree.depths[best]:
-                best = node
+    best = _deepest_passing(tree, lambda node, parent: int(node_tokens[node]) == int(target_argmax[1 + parent]))
     path = tree.path_to(best)
     return TreeVerified(path, [int(node_tokens[c]) for c in path] + [int(target_argmax[1 + best])])
 
@@ -151,15 +145,22 @@ def tree_typical_accept(
     only argmax tokens pass: greedy decoding."""
     entropy = -(p * p.clamp_min(1e-30).log()).sum(-1)
     threshold = [min(posterior_threshold, posterior_alpha * math.exp(-float(h))) for h in entropy]
+    best = _deepest_passing(tree, lambda node, parent: float(p[1 + parent, int(node_tokens[node])]) > threshold[1 + parent])
+    path = tree.path_to(best)
+    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [draw(p[1 + best], generator)])
+
+
+def _deepest_passing(tree: TokenTree, passes: Callable[[int, int], bool]) -> int:
+    """The deepest node whose every node from depth 1 down passes `passes(node, parent)` (the first in node order
+    among equals), or ROOT if no depth-1 node passes."""
     passed = [False] * tree.num_nodes
     best = ROOT
     for node, parent in enumerate(tree.parents):  # parents come first: their verdicts are known
-        if (parent == ROOT or passed[parent]) and float(p[1 + parent, int(node_tokens[node])]) > threshold[1 + parent]:
+        if (parent == ROOT or passed[parent]) and passes(node, parent):
             passed[node] = True
             if best == ROOT or tree.depths[node] > tree.depths[best]:
                 best = node
-    path = tree.path_to(best)
-    return TreeVerified(path, [int(node_tokens[c]) for c in path] + [draw(p[1 + best], generator)])
+    return best
 
 
 def _residual(p_i: torch.Tensor, q_i: torch.Tensor | None, x: int) -> torch.Tensor:
