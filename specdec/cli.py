@@ -1,4 +1,4 @@
-"""`specdec generate | serve | models | bench`."""
+"""`specdec generate | serve | models | train-heads | bench`."""
 
 from __future__ import annotations
 
@@ -54,10 +54,13 @@ def _parser() -> argparse.ArgumentParser:
     # plain by default until adaptive γ holds all its gates (issue 7: within 5% of the best fixed γ is not met yet)
     gen.add_argument("--method", default="none",
                      help="speculation method: none (default), auto (draft_model with the embedded 0.5B draft for the "
-                          "embedded target, none for other models), draft_model, ngram (prompt lookup) or suffix")
-    gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL})")
+                          "embedded target, none for other models), draft_model, ngram (prompt lookup), suffix or "
+                          "medusa (heads from `specdec train-heads`)")
+    gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL}); "
+                                                    "medusa: a heads directory (default: the target's trained heads)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
-                     help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24)")
+                     help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24; medusa: its "
+                          "token tree's depth)")
     gen.add_argument("--no-adaptive", action="store_true",
                      help="draft γ tokens every step instead of letting the engine choose γ from measured acceptance and cost")
     gen.add_argument("--draft-confidence-threshold", type=float, default=None,
@@ -94,6 +97,24 @@ def _parser() -> argparse.ArgumentParser:
     models_list.add_argument("--json", action="store_true")
     models_list.set_defaults(run=_models_list)
 
+    train = commands.add_parser("train-heads", help="train draft heads for a target by self-distillation (CPU)")
+    train.add_argument("--method", choices=["medusa"], required=True)
+    train.add_argument("--model", default=zoo.DEFAULT_MODEL, help="the target: embedded name, HF directory or .gguf file")
+    train.add_argument("--out", default=None, help="heads directory (default: $SPECDEC_CACHE/heads/medusa/<model>, "
+                                                    "where speculative_config finds them without 'model')")
+    train.add_argument("--num-heads", type=int, default=4)
+    train.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    train.add_argument("--vocab-size", type=int, default=32_768,
+                       help="the heads' output vocabulary: the corpus's most frequent tokens (0: all)")
+    train.add_argument("--corpus-tokens", type=int, default=60_000, help="tokens of standard-library source")
+    train.add_argument("--generated-tokens", type=int, default=4_096, help="tokens the target generates itself")
+    train.add_argument("--epochs", type=int, default=2)
+    train.add_argument("--batch-size", type=int, default=128)
+    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
+                       help="the target's weight format while it reads the corpus (use the one you serve)")
+    train.set_defaults(run=_train_heads)
+
     bench = commands.add_parser("bench", help="benchmarks (see specdec/bench); without a name: the sweep")
     bench.add_argument("name", help="benchmark: sweep (default), plain_decode, draft_model, cost_curve, ngram, gamma_trace, serve_load, cuda")
     bench.add_argument("bench_args", nargs=argparse.REMAINDER)
@@ -103,6 +124,23 @@ def _parser() -> argparse.ArgumentParser:
 
 def _format(choice: str) -> str | None:
     return None if choice == "none" else choice
+
+
+def _train_heads(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from specdec import LLM
+    from specdec.models.medusa import default_heads_dir
+    from specdec.training.data import CorpusConfig
+    from specdec.training.medusa import MedusaTrainingConfig, train_medusa
+
+    corpus = CorpusConfig(args.corpus_tokens, args.generated_tokens)
+    config = MedusaTrainingConfig(args.num_heads, args.num_layers, args.vocab_size, args.epochs, args.batch_size, args.lr)
+    out = Path(args.out) if args.out else default_heads_dir(args.model)
+    llm = LLM(args.model, quantization=_format(args.quantization))
+    report = train_medusa(llm, out, corpus, config)
+    print(json.dumps({"heads": str(out), "before": report["before"], "after": report["after"]}, indent=2))
+    return 0
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -127,7 +165,7 @@ def _generate(args: argparse.Namespace) -> int:
     if method == "auto":  # the embedded pair speculates; another model has no known draft
         method = "draft_model" if args.draft is not None or args.model == zoo.DEFAULT_MODEL else "none"
     if method != "none":
-        gamma = args.num_speculative_tokens or (None if method == "suffix" else DEFAULT_MAX_GAMMA)
+        gamma = args.num_speculative_tokens or (None if method in ("suffix", "medusa") else DEFAULT_MAX_GAMMA)
         speculative_config = {"method": method, "num_speculative_tokens": gamma, "adaptive": not args.no_adaptive,
                               "model": args.draft, "quantization": _format(args.draft_quantization),
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}

@@ -124,6 +124,13 @@ class SpeculativeConfig:
       matches only within the request), `suffix_decoding_max_spec_factor` (a match of m tokens
       proposes at most m × factor tokens), `suffix_decoding_min_token_prob` (stop where the
       continuation's estimated probability falls below it). γ defaults to the tree depth.
+    - `medusa`: `model`, a directory of Medusa heads (`specdec train-heads`; default: the heads trained for
+      the target under the cache dir); `speculative_token_tree`, the tree of the heads' candidates as
+      choice paths (a list of tuples, or its string as vLLM takes it; default `DEFAULT_MEDUSA_TREE`,
+      below, down to as many levels as there are heads); γ (default: the tree's depth) is the deepest a step drafts.
+    Tree drafts (Medusa) at temperature > 0: `acceptance_method` "rejection_sampler" (lossless, default) or
+    "typical_acceptance_sampler" (Medusa's, lossy: a candidate x passes where p(x) > min(ε, δ·exp(−H(p))),
+    ε = `typical_acceptance_sampler_posterior_threshold`, δ = `typical_acceptance_sampler_posterior_alpha`).
     Every method: `adaptive` (default True) lets the engine choose γ ≤ num_speculative_tokens each step
     from measured acceptance and cost, plain steps included (engine/adaptive.py); False drafts γ every
     step, as vLLM does. `draft_confidence_threshold`: a draft model stops drafting after a token it
@@ -145,9 +152,27 @@ class SpeculativeConfig:
     suffix_decoding_min_token_prob: float = 0.1
     adaptive: bool = True
     draft_confidence_threshold: float = 0.0
+    speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
+    acceptance_method: str = "rejection_sampler"
+    typical_acceptance_sampler_posterior_threshold: float = 0.09
+    typical_acceptance_sampler_posterior_alpha: float = 0.3
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
+        if self.speculative_token_tree is not None:
+            object.__setattr__(self, "speculative_token_tree", _token_tree(self.speculative_token_tree))
+        if self.num_speculative_tokens is None and self.method == "medusa":
+            tree = self.speculative_token_tree or DEFAULT_MEDUSA_TREE
+            object.__setattr__(self, "num_speculative_tokens", max(map(len, tree)))
+        _check(self.acceptance_method in ACCEPTANCE_METHODS,
+               f"acceptance_method must be one of {', '.join(ACCEPTANCE_METHODS)}, got {self.acceptance_method!r}")
+        _check(_is_number(self.typical_acceptance_sampler_posterior_threshold)
+               and 0 <= self.typical_acceptance_sampler_posterior_threshold <= 1,
+               "typical_acceptance_sampler_posterior_threshold must be in [0, 1], got "
+               f"{self.typical_acceptance_sampler_posterior_threshold!r}")
+        _check(_is_number(self.typical_acceptance_sampler_posterior_alpha)
+               and 0 <= self.typical_acceptance_sampler_posterior_alpha <= 1,
+               f"typical_acceptance_sampler_posterior_alpha must be in [0, 1], got {self.typical_acceptance_sampler_posterior_alpha!r}")
         _check(_is_count(self.suffix_decoding_max_tree_depth, 1, 64),
                f"suffix_decoding_max_tree_depth must be an integer in [1, 64], got {self.suffix_decoding_max_tree_depth!r}")
         if self.num_speculative_tokens is None and self.method == "suffix":
@@ -189,6 +214,30 @@ class SpeculativeConfig:
         _check(not unknown, f"unknown speculative_config keys {unknown}; known: {sorted(known)}")
         _check("method" in value, "speculative_config needs a 'method', e.g. 'draft_model'")
         return cls(**dict(value))
+
+
+ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+# Medusa's own default trees (mc_sim_7b_63) verify 63 nodes: on a GPU nearly free, on this CPU ~3× a step. This one
+# keeps 10 nodes down to depth 4; verified whole every step it loses here (BENCHMARKS.md, medusa), while the adaptive
+# controller (the default) cuts it to the depth that pays, mostly the heads' top 3 at depth 1.
+DEFAULT_MEDUSA_TREE = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1), (0, 1), (1,), (1, 0), (2,), (0, 0, 0, 1))
+
+
+def _token_tree(value: object) -> tuple[tuple[int, ...], ...]:
+    """Choice paths from a list of tuples, or from its string (vLLM passes `speculative_token_tree` as one)."""
+    if isinstance(value, str):
+        import ast
+
+        try:
+            value = ast.literal_eval(value)
+        except (ValueError, SyntaxError) as error:
+            raise ValueError(f"speculative_token_tree must be a list of tuples like '[(0,), (0, 0)]', got {value!r}") from error
+    _check(isinstance(value, (list, tuple)) and all(isinstance(c, (list, tuple)) for c in value),
+           f"speculative_token_tree must be a list of tuples like [(0,), (0, 0)], got {value!r}")
+    paths = tuple(tuple(c) for c in value)
+    _check(bool(paths) and all(c and all(_is_count(i, 0, 1024) for i in c) for c in paths),
+           f"speculative_token_tree needs non-empty choice paths of candidate ranks >= 0, got {value!r}")
+    return paths
 
 
 def _is_count(value: object, low: int, high: int) -> bool:

@@ -13,7 +13,7 @@ from tqdm import tqdm
 from specdec.config import EngineConfig, SamplingParams, SpeculativeConfig
 from specdec.engine.adaptive import AdaptiveGamma, StepCosts
 from specdec.engine.engine import Engine
-from specdec.engine.registry import build_proposer
+from specdec.engine.registry import build_proposer, build_tree_acceptance
 from specdec.engine.sequence import Sequence
 from specdec.models import zoo
 from specdec.models.cost_curve import CostCurve, cached_cost_curve
@@ -21,6 +21,7 @@ from specdec.models.linear import DEFAULT_TARGET_QUANTIZATION, resolve_quantizat
 from specdec.models.loader import eos_token_ids, load_decoder, load_tokenizer, parse_dtype, resolve_model_dir, resolve_tokenizer_dir
 
 from specdec.outputs import RequestOutput
+from specdec.spec.verifier import tree_rejection_sample
 
 PromptType = str | Mapping[str, Any]
 
@@ -92,6 +93,7 @@ class LLM:
             proposer=proposer,
             num_speculative_tokens=0 if spec is None else spec.num_speculative_tokens,
             controller=controller,
+            tree_acceptance=tree_rejection_sample if spec is None else build_tree_acceptance(spec),
         )
         self._request_ids = itertools.count()
 

@@ -156,6 +156,33 @@ def test_measured_step_times_correct_the_cost_curves():
     assert drifted.choose(seq, 8) == fresh.choose(seq, 8) > 0
 
 
+def test_a_lookup_that_finds_nothing_is_timed_as_a_plain_step():
+    """An n-gram or suffix lookup asked for γ tokens that finds no match runs a plain step: its time calibrates
+    plain steps, not speculation (which a plain step's time against a γ + 1 token verify would make look cheap)."""
+    costs = StepCosts(INT8_TARGET)
+    controller = AdaptiveGamma(costs, probe_budget=0.0)
+    seq = sequence()
+    for _ in range(20):
+        assert controller.choose(seq, 8) > 0  # the prior says speculate
+        assert controller.trim(seq, 0) == 0
+        controller.step_timed([seq], costs.verify_ms(1, seq.num_tokens) * 1.3)
+        controller.observe(seq, 0, 0)
+        seq.output_token_ids.append(1)
+    assert controller.speculation_overhead == 1.0
+    assert controller.plain_calibration == pytest.approx(1.3, rel=0.05)
+
+
+def test_prompt_steps_are_not_timed(tiny_qwen):
+    """The step that feeds a prompt's last chunk samples a token too, but its time is the prompt's: only steps
+    where every sequence fed its one sampled token calibrate the controller."""
+    llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4})
+    timed = []
+    llm.engine.controller.step_timed = lambda seqs, ms: timed.append(len(seqs))
+    [out] = llm.generate("a prompt of a few tokens", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
+    assert out.metrics.num_target_forwards >= 2 and timed == [1] * (out.metrics.num_target_forwards - 1)
+
+
 def test_acceptance_per_position_not_iid():
     """Position 1 nearly always accepted, position 2 nearly never: γ = 1, where an i.i.d. α of ~0.5 would
     suggest more or nothing."""

@@ -92,6 +92,32 @@ def test_tree_mask_and_positions_give_each_branch_its_chain_logits(tiny_llama):
         torch.testing.assert_close(logits[row], reference, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("quantization", [None, "int8"])
+def test_every_tree_row_is_bitwise_its_one_token_step(tiny_qwen, quantization):
+    """Each node sees the cache and its ancestors laid out as a one-token step after them would: its logits are
+    bitwise that step's (what makes greedy tree speculation token-identical to plain decoding), the first branch
+    and the others alike, and the cache holds every node's keys and values in node order afterwards."""
+    decoder = load_decoder(tiny_qwen, quantization=quantization)
+    prefix = [10, 20, 30]
+    tree, root, nodes = TokenTree.from_choices([(0,), (0, 0), (1,), (0, 1), (1, 0), (0, 1, 0)]), 40, [50, 60, 70, 80, 90, 99]
+    cache = decoder.new_kv_cache(2, 32)
+    slot = cache.allocate()
+    run(decoder, cache, [SequenceInput(slot, prefix)])
+    logits = run(decoder, cache, [SequenceInput(slot, [root, *nodes], positions=tree.positions(len(prefix)).tolist(),
+                                                mask=tree.attention_mask(len(prefix)), num_logits=1 + len(nodes))]).logits
+    tree_keys = cache.keys[:, slot, :, : len(prefix) + 1 + len(nodes)].clone()
+    for row, node in enumerate([None, *range(len(nodes))]):
+        chain = [root] + ([] if node is None else [nodes[j] for j in tree.path_to(node)])
+        steps = cache.allocate()
+        run(decoder, cache, [SequenceInput(steps, prefix)])
+        for token in chain:
+            step = run(decoder, cache, [SequenceInput(steps, [token])]).logits[0]
+        assert torch.equal(logits[row], step), row
+        position = len(prefix) + (0 if node is None else 1 + node)
+        assert torch.equal(tree_keys[:, :, position], cache.keys[:, steps, :, len(prefix) + len(chain) - 1]), row
+        cache.free(steps)
+
+
 def test_forward_past_the_slot_is_refused_without_writing(tiny_qwen):
     decoder = load_decoder(tiny_qwen)
     cache = decoder.new_kv_cache(1, 8)

@@ -23,14 +23,29 @@ def trees(draw, max_nodes: int = 12) -> TokenTree:
 
 # --- structure ---------------------------------------------------------------------------
 
-def test_from_choices_orders_by_depth_and_links_parents():
+def test_from_choices_orders_depth_first_and_links_parents():
     tree = TokenTree.from_choices(MEDUSA_LIKE)
-    assert tree.parents == (ROOT, ROOT, ROOT, 0, 0, 1, 3, 4)
-    assert tree.ranks == (0, 1, 2, 0, 1, 0, 0, 0)
-    assert tree.depths == (1, 1, 1, 2, 2, 2, 3, 3)
-    assert tree.children(ROOT) == (0, 1, 2) and tree.children(0) == (3, 4) and tree.children(7) == ()
-    assert tree.leaf_paths() == [[2], [1, 5], [0, 3, 6], [0, 4, 7]]
+    # (0,) (0, 0) (0, 0, 0) (0, 1) (0, 1, 0) (1,) (1, 0) (2,)
+    assert tree.parents == (ROOT, 0, 1, 0, 3, ROOT, 5, ROOT)
+    assert tree.ranks == (0, 0, 0, 1, 0, 1, 0, 2)
+    assert tree.depths == (1, 2, 3, 2, 3, 1, 2, 1)
+    assert tree.children(ROOT) == (0, 5, 7) and tree.children(0) == (1, 3) and tree.children(7) == ()
+    assert tree.leaf_paths() == [[0, 1, 2], [0, 3, 4], [5, 6], [7]]
     assert TokenTree.chain(3).parents == (ROOT, 0, 1) and TokenTree.chain(3).max_depth == 3
+    assert tree.sizes() == [0, 3, 6, 8]
+    small, kept = tree.pruned(2)
+    assert kept == [0, 1, 3, 5, 6, 7] and small.parents == (ROOT, 0, 0, ROOT, 3, ROOT)
+    assert small.ranks == (0, 0, 1, 1, 0, 2) and small.sizes() == [0, 3, 6]
+
+
+@settings(max_examples=100, deadline=None)
+@given(tree=trees(), prefix_len=st.integers(0, 5), fed=st.integers(0, 5))
+def test_mask_with_prefix_rows_fed_in_the_same_forward(tree, prefix_len, fed):
+    fed = min(fed, prefix_len)
+    mask = tree.attention_mask(prefix_len, fed)
+    assert torch.equal(mask[fed:], tree.attention_mask(prefix_len))
+    causal = torch.ones(fed, prefix_len, dtype=torch.bool).tril(diagonal=prefix_len - fed)
+    assert torch.equal(mask[:fed, :prefix_len], causal) and not mask[:fed, prefix_len:].any()
 
 
 @pytest.mark.parametrize("choices, message", [
@@ -138,7 +153,7 @@ def sample_three(tree: TokenTree, sampled_children: bool, seed: int = 7) -> tupl
             else:  # deterministic candidates: the draft's top-k, rank = the node's rank
                 tokens.append(int(top[previous, tree.ranks[node]]))
         q = rows_for(tree, ROOT_TOKEN, tokens, DRAFT) if sampled_children else None
-        result = tree_rejection_sample(tree, tokens, rows_for(tree, ROOT_TOKEN, tokens, TARGET), q, g)
+        result = tree_rejection_sample(tree, tokens, rows_for(tree, ROOT_TOKEN, tokens, TARGET), g, q)
         accepted += len(result.path)
         out = result.tokens[:3]
         while len(out) < 3:
@@ -169,9 +184,10 @@ def test_typical_acceptance_keeps_the_deepest_passing_path():
     p = torch.zeros(1 + tree.num_nodes, 4)
     p[0] = torch.tensor([0.5, 0.3, 0.15, 0.05])  # after the root: tokens 0 and 1 pass, 3 does not
     p[1:] = torch.tensor([0.7, 0.15, 0.1, 0.05])
-    tokens = [0, 1, 0, 0, 3]  # node 4 (under 3) proposes token 3, which fails under node 3's p
+    # nodes (0,) (0, 0) (1,) (1, 0) (1, 0, 0); the last proposes token 3, which fails under its parent's p
+    tokens = [0, 0, 1, 0, 3]
     result = tree_typical_accept(tree, tokens, p, torch.Generator().manual_seed(0), posterior_threshold=0.09)
-    assert result.path == [0, 2]  # depth 2 reached through node 0 (first in order) and node 3 alike
+    assert result.path == [0, 1]  # depth 2 reached through node 0 (first in order) and node 2 alike
     assert result.tokens[:2] == [0, 0]
 
 

@@ -20,7 +20,7 @@ from specdec.bench.dataset import load_prompts, render
 from specdec.bench.quality import passes_tests
 
 
-LABELLED_OPTIONS = ("draft_confidence_threshold",)  # speculative options a setup's label shows
+LABELLED_OPTIONS = ("draft_confidence_threshold", "acceptance_method")  # speculative options a setup's label shows
 
 
 @dataclass(frozen=True)
@@ -75,6 +75,10 @@ class EngineSetup:
         gamma = {"fixed": f" γ={self.gamma}", "adaptive": f" adaptive γ≤{self.gamma}",
                  "heuristic": f" heuristic γ≤{self.gamma}", "": ""}[self.schedule]
         extra = "".join(f", {k}={v}" for k, v in config.items() if k in LABELLED_OPTIONS)
+        tree = config.get("speculative_token_tree")
+        if tree:
+            chain = all(list(c) == [0] * len(c) for c in tree)
+            extra = (f" chain" if chain else f" tree ({len(tree)} nodes)") + extra
         return f"specdec {self.method}{draft}{gamma}{extra}{formats}"
 
 

@@ -28,7 +28,7 @@ from specdec.bench.quality import QUALITY_DATASET
 from specdec.bench.report import publish
 from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
-METHODS = ("none", "draft_model", "ngram", "suffix")
+METHODS = ("none", "draft_model", "ngram", "suffix", "medusa")
 SCHEDULES = ("fixed", "adaptive", "heuristic")
 FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
 
@@ -62,6 +62,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--spec-option", action="append", default=[], metavar="KEY=VALUE",
                    help="an extra speculative_config entry for every specdec speculative setup, e.g. "
                         "draft_confidence_threshold=0.4 (VALUE read as JSON where it parses; repeatable)")
+    p.add_argument("--medusa-heads", default=None,
+                   help="Medusa heads directory (default: the heads `specdec train-heads` wrote for --model)")
+    p.add_argument("--medusa-trees", nargs="+", default=["default", "chain"],
+                   help="medusa's token trees: default (the engine's, cut to γ levels), chain (γ first candidates) "
+                        "or a JSON list of choice paths")
+    p.add_argument("--acceptance-methods", nargs="+", default=["rejection_sampler"],
+                   choices=["rejection_sampler", "typical_acceptance_sampler"], help="medusa's verification at T > 0")
     p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
                    help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
     p.add_argument("--quality", action="store_true",
@@ -132,6 +139,15 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
                         for draft_fmt in args.draft_formats:
                             setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
                                 **config, "model": draft, "quantization": FORMATS[draft_fmt]}))
+                elif method == "medusa":
+                    for tree in args.medusa_trees:
+                        for acceptance in args.acceptance_methods:
+                            medusa = {**config, "speculative_token_tree": _medusa_tree(tree, gamma)}
+                            if args.medusa_heads:
+                                medusa["model"] = args.medusa_heads
+                            if acceptance != "rejection_sampler":
+                                medusa["acceptance_method"] = acceptance
+                            setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=medusa))
                 elif method == "ngram":
                     low, high = args.prompt_lookup
                     setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
@@ -148,6 +164,16 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
         if "ngram" in args.methods:
             setups.append(EngineSetup(**peer, prompt_lookup_num_tokens=args.hf_lookup_tokens))
     return setups
+
+
+def _medusa_tree(name: str, gamma: int) -> list[list[int]]:
+    """A tree argument as choice paths, `gamma` levels deep at most."""
+    from specdec.config import DEFAULT_MEDUSA_TREE
+
+    if name == "chain":
+        return [[0] * depth for depth in range(1, gamma + 1)]
+    paths = DEFAULT_MEDUSA_TREE if name == "default" else json.loads(name)
+    return [list(c) for c in paths if len(c) <= gamma]
 
 
 def _spec_options(items: list[str]) -> dict[str, Any]:

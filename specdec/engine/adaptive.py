@@ -54,8 +54,9 @@ class GammaController(Protocol):
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         """γ for this step's draft, 0 ≤ γ ≤ gamma_max; `batch_size` sequences decode in this step's forward."""
 
-    def trim(self, seq: Sequence, num_drafted: int) -> int:
-        """How many of the drafted tokens to verify."""
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
+        """How many of the drafted tokens to verify; for a tree drafted `num_drafted` deep, how deep, `sizes[d]`
+        being its node count down to depth d."""
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The step verified num_drafted tokens (0: a plain step) and accepted num_accepted."""
@@ -73,7 +74,7 @@ class FixedGamma:
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return gamma_max
 
-    def trim(self, seq: Sequence, num_drafted: int) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
         return num_drafted
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -97,7 +98,7 @@ class HeuristicSchedule:
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return min(self.gamma, gamma_max)
 
-    def trim(self, seq: Sequence, num_drafted: int) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
         return num_drafted
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -268,8 +269,7 @@ class AdaptiveGamma:
         speculative = plain * self.speculation_overhead
         # kept for `trim`, which runs on the same step with the same estimates
         state.expected = tokens = expected_tokens(self._rates(state, gamma_max))
-        state.verify_ms = [self.costs.verify_ms(g + 1, context, batch_size) * (speculative if g else plain)
-                           for g in range(gamma_max + 1)]
+        state.verify_ms = [self._verify_ms(state, g) for g in range(gamma_max + 1)]
         # steady state: the draft model in step with the sequence (its catch-up is a one-off, priced below)
         per_draft = self.costs.draft_ms(1, context, 1, batch_size) * speculative
         times = [g * per_draft + verify for g, verify in enumerate(state.verify_ms)]
@@ -296,13 +296,17 @@ class AdaptiveGamma:
         state.rate = ratios[best]
         return best
 
-    def trim(self, seq: Sequence, num_drafted: int) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
         state = self._state(seq)
         if num_drafted == 0:
+            if self.costs.draft is None:  # a lookup that found nothing: the step is a plain one, and timed as one
+                state.drafted, state.modeled_ms = 0, self._modeled_ms(state, 0)
             return 0
-        gains = [state.expected[k] - state.rate * state.verify_ms[k] for k in range(num_drafted + 1)]
+        sizes = range(num_drafted + 1) if sizes is None else sizes  # a chain: k tokens down to depth k
+        verify_ms = [self._verify_ms(state, sizes[k]) for k in range(num_drafted + 1)]
+        gains = [state.expected[k] - state.rate * verify_ms[k] for k in range(num_drafted + 1)]
         kept = max(range(num_drafted + 1), key=gains.__getitem__)
-        state.modeled_ms = self._modeled_ms(state, num_drafted, kept)
+        state.modeled_ms = self._modeled_ms(state, num_drafted, sizes[kept])
         return kept
 
     def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
@@ -318,6 +322,11 @@ class AdaptiveGamma:
             self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
         else:
             self.plain_calibration += self.calibration_weight * (ratio - self.plain_calibration)
+
+    def _verify_ms(self, state: _SequenceState, num_drafted: int) -> float:
+        """The step's verify forward over `num_drafted` draft tokens and the pending one, calibrated."""
+        calibration = self.plain_calibration * (self.speculation_overhead if num_drafted else 1.0)
+        return self.costs.verify_ms(num_drafted + 1, state.context, state.batch_size) * calibration
 
     def _modeled_ms(self, state: _SequenceState, drafted: int, verified: int | None = None) -> float:
         """This sequence's share of the step by the cost curves: drafting `drafted` (catch-up included), then

@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence as Seq
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,7 +25,15 @@ from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
 from specdec.sampling import make_generator, processed_probs, token_logprobs
 from specdec.spec.proposers.base import Proposer
-from specdec.spec.verifier import Verified, greedy_match, rejection_sample
+from specdec.spec.tree import TokenTree
+from specdec.spec.verifier import (
+    TreeAcceptance,
+    TreeVerified,
+    greedy_match,
+    rejection_sample,
+    tree_greedy_match,
+    tree_rejection_sample,
+)
 
 
 class Engine:
@@ -37,11 +46,13 @@ class Engine:
         proposer: Proposer | None = None,
         num_speculative_tokens: int = 0,
         controller: GammaController | None = None,
+        tree_acceptance: TreeAcceptance = tree_rejection_sample,
     ) -> None:
         self.model = model
         self.proposer = proposer
         self.num_speculative_tokens = num_speculative_tokens if proposer is not None else 0
         self.controller: GammaController = controller or FixedGamma()  # γ per sequence per step, ≤ the maximum
+        self.tree_acceptance = tree_acceptance  # how tree drafts are verified at temperature > 0
         self.config = config
         self.cache: KVCache = model.new_kv_cache(config.max_num_seqs, config.max_model_len)
         self.rules = StopRules(tokenizer, frozenset(eos_token_ids), config.max_model_len)
@@ -117,31 +128,40 @@ class Engine:
         drafts = self._propose(completing, room)
         draft_time = time.perf_counter() - start
 
-        inputs = []
-        for seq, tokens in zip(running, pending):
-            draft_tokens = drafts[seq][0] if seq in drafts else []
-            inputs.append(SequenceInput(seq.slot, [*tokens, *draft_tokens], num_logits=1 + len(draft_tokens)))
         start = time.perf_counter()
+        inputs = [_forward_input(s, self.cache.length(s.slot), tokens, drafts.get(s)) for s, tokens in zip(running, pending)]
         batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running])
-        logits = self.model.forward(batch, self.cache).logits.split([i.num_logits for i in inputs])
+        output = self.model.forward(batch, self.cache)
+        logits = output.logits.split([i.num_logits for i in inputs])
 
-        ready = []
+        ready, hidden = [], []
         completing_set = set(completing)
-        for seq, seq_logits in zip(running, logits):
+        row = 0  # where each sequence's rows start in the forward
+        for seq, seq_logits, tokens, fed in zip(running, logits, pending, inputs):
             seq.num_forwards += 1
+            first_row, row = row, row + len(fed.token_ids)
             if seq not in completing_set:
                 continue  # prompt still prefilling
-            draft_tokens, q, draft_work = drafts.get(seq, ([], None, (0, 0)))
-            verified = _verify(seq, seq_logits, draft_tokens, q)
-            kept = append_tokens(seq, verified.tokens[0], self.rules)
-            if seq.logprobs is not None:  # row j of the verify logits is the distribution token j was drawn from
-                seq.logprobs += token_logprobs(seq_logits[:kept], verified.tokens[0][:kept], seq.params.logprobs)
+            draft = drafts.get(seq, NO_DRAFT)
+            cached = self.cache.length(seq.slot) - len(fed.token_ids)
+            verified = _verify(seq, seq_logits, draft, self.tree_acceptance)
+            if draft.tree is not None:  # the accepted path becomes a chain after the root
+                root_end = cached + len(tokens)
+                self.cache.compact(seq.slot, root_end, [root_end + node for node in verified.path])
+            kept = append_tokens(seq, verified.tokens, self.rules)
+            if seq.logprobs is not None:  # the row of each token's parent is the distribution it was drawn from
+                rows = [0, *(1 + node for node in verified.path)][:kept]
+                seq.logprobs += token_logprobs(seq_logits[rows], verified.tokens[:kept], seq.params.logprobs)
             if seq.spec_stats is not None:
-                self.controller.observe(seq, len(draft_tokens), verified.num_accepted[0])
-                seq.spec_stats.record(len(draft_tokens), min(verified.num_accepted[0], kept), *draft_work)
+                self.controller.observe(seq, draft.depth, len(verified.path))
+                seq.spec_stats.record(draft.depth, min(len(verified.path), kept), *draft.work)
+            if self.proposer is not None and self.proposer.needs_hidden_states:
+                hidden.append(output.hidden[[*range(first_row, first_row + len(tokens)),
+                                             *(first_row + len(tokens) + node for node in verified.path)]])
             ready.append(seq)
         verify_time = time.perf_counter() - start
-        if len(completing) == len(running):  # decode steps only: a prompt chunk's cost is not the choice's
+        # decode steps only (each sequence fed its one sampled token): a prompt chunk's cost is not the choice's
+        if len(completing) == len(running) and all(len(tokens) == 1 for tokens in pending):
             self.controller.step_timed(completing, (draft_time + verify_time) * 1000)
 
         for seq in ready:
@@ -153,7 +173,8 @@ class Engine:
             elif self.cache.length(seq.slot) > seq.num_tokens - 1:
                 self.cache.truncate(seq.slot, seq.num_tokens - 1)  # drop rejected drafts
         if self.proposer is not None:
-            self.proposer.observe([s for s in ready if not s.is_finished])
+            alive = [i for i, s in enumerate(ready) if not s.is_finished]
+            self.proposer.observe([ready[i] for i in alive], [hidden[i] for i in alive] if hidden else None)
         return ready
 
     def _schedule(self) -> tuple[list[Sequence], list[list[int]]]:
@@ -173,11 +194,9 @@ class Engine:
         running = [s for s in self.running if s in chunks]
         return running, [s.pending_token_ids(self.cache.length(s.slot), chunks[s]) for s in running]
 
-    def _propose(
-        self, seqs: list[Sequence], room: dict[Sequence, int]
-    ) -> dict[Sequence, tuple[list[int], torch.Tensor | None, tuple[int, int]]]:
-        """Each sequence's draft tokens, q (None for deterministic drafts) and the draft-model work it took
-        (forwards, tokens fed); the controller picks γ and trims the draft. None without a proposer."""
+    def _propose(self, seqs: list[Sequence], room: dict[Sequence, int]) -> dict[Sequence, StepDraft]:
+        """Each sequence's draft for this step; the controller picks γ (a tree's depth) and trims the draft.
+        Empty without a proposer."""
         if self.proposer is None or not seqs:
             return {}
         gammas = [self.controller.choose(s, min(self._gamma(s), max(0, room[s])), len(seqs)) for s in seqs]
@@ -186,10 +205,21 @@ class Engine:
         draft = self.proposer.propose(seqs, gammas)
         drafts = {}
         for i, seq in enumerate(seqs):
-            n = self.controller.trim(seq, min(draft.num_tokens[i], gammas[i]))
+            tokens = draft.tokens[i, : draft.num_tokens[i]].tolist()
+            tree = None if draft.trees is None else draft.trees[i]
+            q = None
+            if tree is None:
+                n = self.controller.trim(seq, min(len(tokens), gammas[i]))
+                tokens, q = tokens[:n], None if draft.q is None else draft.q[i, :n]
+            else:
+                # the deepest levels whose expected tokens are worth their rows; a tree's rows must fit the room too
+                depth = min(tree.max_depth, gammas[i])
+                depth = max(d for d in range(depth + 1) if tree.sizes()[d] <= room[seq])
+                tree, kept = tree.pruned(self.controller.trim(seq, depth, tree.sizes()[: depth + 1]))
+                tokens = [tokens[node] for node in kept]
             work = (0, 0) if draft.num_tokens_fed is None else (draft.num_tokens[i], draft.num_tokens_fed[i])
-            if n > 0 or work[0]:
-                drafts[seq] = (draft.tokens[i, :n].tolist(), None if draft.q is None else draft.q[i, :n], work)
+            if tokens or work[0]:
+                drafts[seq] = StepDraft(tokens, q, work, tree if tokens else None)
         return drafts
 
     def _gamma(self, seq: Sequence) -> int:
@@ -218,10 +248,51 @@ class Engine:
             self.running.remove(seq)
 
 
-def _verify(seq: Sequence, logits: torch.Tensor, draft_tokens: list[int], q: torch.Tensor | None) -> Verified:
-    """One sequence's γ + 1 target logits rows against its γ draft tokens (γ may be 0)."""
-    tokens = torch.tensor([draft_tokens], dtype=torch.long)
+@dataclass(frozen=True)
+class StepDraft:
+    """One sequence's draft in a step: a chain of tokens (q: the draft's distributions, None = deterministic), or
+    the nodes of a token tree; `work`: the draft model's forwards and the tokens they took in."""
+
+    tokens: list[int]
+    q: torch.Tensor | None = None
+    work: tuple[int, int] = (0, 0)
+    tree: TokenTree | None = None
+
+    @property
+    def depth(self) -> int:
+        """How many tokens a step can accept at most."""
+        return len(self.tokens) if self.tree is None else self.tree.max_depth
+
+
+NO_DRAFT = StepDraft([])
+
+
+def _forward_input(seq: Sequence, cached: int, pending: list[int], draft: StepDraft | None) -> SequenceInput:
+    """The sequence's part of the forward: its pending tokens, then the draft. A tree's nodes take their depth below
+    the root (the last pending token) as positions and see only their ancestors."""
+    if draft is None:
+        return SequenceInput(seq.slot, pending, num_logits=1)
+    if draft.tree is None:
+        return SequenceInput(seq.slot, [*pending, *draft.tokens], num_logits=1 + len(draft.tokens))
+    root_position = cached + len(pending) - 1
+    positions = [*range(cached, root_position), *draft.tree.positions(root_position).tolist()]
+    mask = draft.tree.attention_mask(root_position, len(pending) - 1)
+    return SequenceInput(seq.slot, [*pending, *draft.tokens], positions, mask, num_logits=1 + len(draft.tokens))
+
+
+def _verify(seq: Sequence, logits: torch.Tensor, draft: StepDraft, tree_acceptance: TreeAcceptance) -> TreeVerified:
+    """One sequence's target logits (after its last pending token, then after each draft token) against its draft
+    (maybe empty); a chain's accepted path is its first tokens."""
+    if draft.tree is not None:
+        if seq.params.greedy:
+            return tree_greedy_match(draft.tree, draft.tokens, logits.argmax(dim=-1).tolist())
+        p = processed_probs(logits, [seq.params] * logits.shape[0])
+        return tree_acceptance(draft.tree, draft.tokens, p, seq.generator)
+    tokens = torch.tensor([draft.tokens], dtype=torch.long)
     if seq.params.greedy:
-        return greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft_tokens)])
-    p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
-    return rejection_sample(p, tokens, [len(draft_tokens)], None if q is None else q[None], [seq.generator])
+        verified = greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft.tokens)])
+    else:
+        p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
+        q = None if draft.q is None else draft.q[None]
+        verified = rejection_sample(p, tokens, [len(draft.tokens)], q, [seq.generator])
+    return TreeVerified(list(range(verified.num_accepted[0])), verified.tokens[0])

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
-from specdec.config import EngineConfig, SpeculativeConfig
+from specdec.config import DEFAULT_MEDUSA_TREE, EngineConfig, SpeculativeConfig
 from specdec.models.decoder import Decoder
 from specdec.spec.proposers.base import Proposer
+from specdec.spec.verifier import TreeAcceptance, tree_rejection_sample, tree_typical_accept
 
 
 def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
@@ -52,10 +54,39 @@ def _suffix(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
     )
 
 
+def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from pathlib import Path
+
+    from specdec.models.loader import resolve_model_dir
+    from specdec.models.medusa import MedusaHeads, default_heads_dir, output_embedding
+    from specdec.spec.proposers.medusa import MedusaProposer
+    from specdec.spec.tree import TokenTree
+
+    directory = Path(spec.model) if spec.model else default_heads_dir(engine.model)
+    if not directory.is_dir():
+        raise ValueError(f"no Medusa heads at {directory}: train them with `specdec train-heads --method medusa "
+                         f"--model {engine.model}`, or name a heads directory as speculative_config['model']")
+    heads = MedusaHeads.load(directory)
+    if heads.config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"the Medusa heads at {directory} read hidden size {heads.config.hidden_size}, the target "
+                         f"has {target.config.hidden_size}: they were trained for another model")
+    if heads.vocab is None:
+        project = target.lm_head
+    else:  # the target's LM-head rows of the heads' vocabulary, in the target's own kernel
+        rows = output_embedding(target, resolve_model_dir(engine.model))[heads.vocab]
+        project = type(target.lm_head)(rows.to(target.dtype))
+    if spec.speculative_token_tree is not None:
+        tree = TokenTree.from_choices(spec.speculative_token_tree)
+    else:  # the default tree, as deep as the heads go
+        tree, _ = TokenTree.from_choices(DEFAULT_MEDUSA_TREE).pruned(heads.config.num_heads)
+    return MedusaProposer(heads, project, tree)
+
+
 PROPOSERS: dict[str, Callable[[SpeculativeConfig, Decoder, EngineConfig], Proposer]] = {
     "draft_model": _draft_model,
     "ngram": _ngram,
     "suffix": _suffix,
+    "medusa": _medusa,
 }
 
 
@@ -63,3 +94,14 @@ def build_proposer(spec: SpeculativeConfig, target: Decoder, engine: EngineConfi
     if spec.method not in PROPOSERS:
         raise ValueError(f"unknown speculative method {spec.method!r}; available: {', '.join(PROPOSERS)}")
     return PROPOSERS[spec.method](spec, target, engine)
+
+
+def build_tree_acceptance(spec: SpeculativeConfig) -> TreeAcceptance:
+    """How tree drafts are verified at temperature > 0 (`acceptance_method`)."""
+    if spec.acceptance_method == "typical_acceptance_sampler":
+        return functools.partial(
+            tree_typical_accept,
+            posterior_threshold=spec.typical_acceptance_sampler_posterior_threshold,
+            posterior_alpha=spec.typical_acceptance_sampler_posterior_alpha,
+        )
+    return tree_rejection_sample

@@ -130,7 +130,7 @@ class Decoder:
             cache.check_room(slot, n)
         x = F.embedding(batch.token_ids.to(self.device), self.embed)
         cos, sin = self._rope(batch.positions.to(self.device))
-        masks = [None if m is None else self._mask(m) for m in batch.masks]
+        masks = [self._row_masks(m, cached, n) for m, cached, n in zip(batch.masks, batch.cache_lens, batch.num_new)]
         layer_hidden: dict[int, torch.Tensor] = {}
         with self._attention_backends():
             for index, layer in enumerate(self.layers):
@@ -162,10 +162,24 @@ class Decoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
 
-    def _mask(self, mask: torch.Tensor) -> torch.Tensor:
+    def _row_masks(self, mask: torch.Tensor | None, cached: int, n: int) -> list[torch.Tensor | None] | torch.Tensor | None:
+        """How `_attention` treats a sequence's rows: None (causal); for a tree within `row_invariant_tokens` (each
+        row sees every cached token, itself, and earlier new tokens only), one entry per row: None where the row
+        sees exactly its own prefix, else the new tokens it sees (a node's ancestors, then itself); for any other
+        mask, the mask, repeated per query head of a KV group (queries are laid out [kv_head, group * n])."""
+        if mask is None:
+            return None
+        mask = mask.to(self.device)
+        new = mask[:, cached:]
+        tree_like = bool(mask[:, :cached].all()) and bool(new.diagonal().all()) and not new.triu(diagonal=1).any()
+        if n > self.row_invariant_tokens or not tree_like:
+            return mask.repeat(self.config.num_heads // self.config.num_kv_heads, 1)
+        seen = [row.nonzero().flatten() for row in new]
+        return [None if len(s) == i + 1 else s for i, s in enumerate(seen)]
+
+    def _causal_mask(self, cached: int, n: int) -> torch.Tensor:
         group = self.config.num_heads // self.config.num_kv_heads
-        # queries are laid out [kv_head, group * n]: the mask repeats per query head of the group
-        return mask.to(self.device).repeat(group, 1)
+        return _causal(cached, n, self.device).repeat(group, 1)
 
     def _attention(
         self,
@@ -174,7 +188,7 @@ class Decoder:
         sin: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
-        masks: list[torch.Tensor | None],
+        masks: list[list[torch.Tensor | None] | torch.Tensor | None],
         cache: KVCache,
     ) -> torch.Tensor:
         c = self.config
@@ -191,28 +205,42 @@ class Decoder:
             keys, values = cache.view(layer, slot, cached + n)
             # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
             queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
-            if mask is None and n <= self.row_invariant_tokens:
-                # Causal decode/verify sizes: each token attends alone to exactly its own prefix, so its result
-                # is bitwise the one a one-token step would give, whatever else shares the forward (batch
-                # invariance: with exact int8 sums this makes plain and speculative greedy decoding
-                # token-identical). Prefill chunks take one causal kernel call instead (each row here re-reads
-                # the KV cache). 4-D inputs take PyTorch's fused CPU attention kernel.
-                rows = [
-                    F.scaled_dot_product_attention(
-                        queries[:, :, i][None].contiguous(), keys[None, :, : cached + i + 1], values[None, :, : cached + i + 1]
+            if isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens):
+                # Decode/verify sizes: each token attends alone to exactly the keys a one-token step would see, laid
+                # out as that step would have them, so its result is bitwise the step's, whatever else shares the
+                # forward (batch invariance: with exact int8 sums this makes plain and speculative greedy decoding
+                # token-identical). A tree node off the first branch sees the cache, then its ancestors and itself:
+                # those are copied to follow the cache before its call (a few rows), and the new tokens' own
+                # layout is written back after. Prefill chunks take one causal kernel call instead (each row here
+                # re-reads the KV cache). 4-D inputs take PyTorch's fused CPU attention kernel.
+                seen = [None] * n if mask is None else mask
+                rows: list[torch.Tensor | None] = [None] * n
+                for i in sorted(range(n), key=lambda i: seen[i] is not None):  # rows that see their own prefix first
+                    length = i + 1
+                    if seen[i] is not None:
+                        path = seen[i]
+                        cache.write(layer, slot, cached, k[start + path].transpose(0, 1), v[start + path].transpose(0, 1))
+                        length = len(path)
+                    rows[i] = F.scaled_dot_product_attention(
+                        queries[:, :, i][None].contiguous(), keys[None, :, : cached + length], values[None, :, : cached + length]
                     )
-                    for i in range(n)
-                ]
+                if any(s is not None for s in seen):
+                    cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
                 out = torch.stack(rows, dim=3)  # [1, kv_heads, group, n, head_dim]
             else:
                 if mask is None:
-                    mask = self._mask(torch.ones(n, cached + n, dtype=torch.bool).tril(diagonal=cached))
+                    mask = self._causal_mask(cached, n)
                 out = F.scaled_dot_product_attention(
                     queries.reshape(1, c.num_kv_heads, group * n, c.head_dim), keys[None], values[None], attn_mask=mask
                 )
             outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+
+def _causal(cached: int, n: int, device: torch.device) -> torch.Tensor:
+    """[n, cached + n] bool: new token i sees the cached tokens and new tokens 0..i."""
+    return torch.ones(n, cached + n, dtype=torch.bool, device=device).tril(diagonal=cached)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

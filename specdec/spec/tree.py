@@ -55,8 +55,9 @@ class TokenTree:
     def from_choices(cls, choices: Sequence[Sequence[int]]) -> "TokenTree":
         """Medusa's / vLLM's `speculative_token_tree`: each choice (i_1, …, i_d) is the node reached by taking
         the i_1-th candidate at depth 1, …, the i_d-th at depth d; every prefix of a choice is a choice too.
-        Nodes are ordered by depth, then by choice."""
-        paths = sorted({tuple(c) for c in choices}, key=lambda c: (len(c), c))
+        Nodes are in depth-first order (the choices sorted): the first branch, each node's first candidate, is a
+        chain at the front, whose rows attend to the cache as a chain's do (the others' ancestors are copied)."""
+        paths = sorted({tuple(c) for c in choices})
         if not paths:
             raise ValueError("a token tree needs at least one choice")
         index = {path: node for node, path in enumerate(paths)}
@@ -94,14 +95,35 @@ class TokenTree:
         parents = set(self.parents)
         return [self.path_to(node) for node in range(self.num_nodes) if node not in parents]
 
-    def attention_mask(self, prefix_len: int) -> torch.Tensor:
-        """[1 + n, prefix_len + 1 + n] bool: the root and every node see the prefix, the root and their ancestors."""
+    def attention_mask(self, prefix_len: int, fed_prefix: int = 0) -> torch.Tensor:
+        """[fed_prefix + 1 + n, prefix_len + 1 + n] bool: the root and every node see the prefix, the root and their
+        ancestors. The last `fed_prefix` prefix tokens are fed in the same forward (a prompt's last chunk): their
+        rows come first, causal."""
         n = self.num_nodes
-        mask = torch.zeros(1 + n, prefix_len + 1 + n, dtype=torch.bool)
-        mask[:, : prefix_len + 1] = True
+        mask = torch.zeros(fed_prefix + 1 + n, prefix_len + 1 + n, dtype=torch.bool)
+        first = prefix_len - fed_prefix
+        mask[:fed_prefix, :prefix_len] = torch.ones(fed_prefix, prefix_len, dtype=torch.bool).tril(diagonal=first)
+        tree = mask[fed_prefix:]
+        tree[:, : prefix_len + 1] = True
         for node in range(n):
-            mask[1 + node, [prefix_len + 1 + a for a in self.path_to(node)]] = True
+            tree[1 + node, [prefix_len + 1 + a for a in self.path_to(node)]] = True
         return mask
+
+    def pruned(self, max_depth: int) -> tuple["TokenTree", list[int]]:
+        """The nodes down to `max_depth` as a tree of their own, and which nodes of this tree they are."""
+        kept = [node for node in range(self.num_nodes) if self.depths[node] <= max_depth]
+        index = {node: i for i, node in enumerate(kept)}
+        parents = tuple(ROOT if self.parents[node] == ROOT else index[self.parents[node]] for node in kept)
+        return TokenTree(parents, tuple(self.ranks[node] for node in kept)), kept
+
+    def sizes(self) -> list[int]:
+        """sizes[d]: how many nodes lie at depth d or above (sizes[0] = 0), d = 0..max_depth."""
+        sizes = [0] * (self.max_depth + 1)
+        for depth in self.depths:
+            sizes[depth] += 1
+        for d in range(1, len(sizes)):
+            sizes[d] += sizes[d - 1]
+        return sizes
 
     def positions(self, root_position: int) -> torch.Tensor:
         """[1 + n] position ids: the root's, then each node's depth below it."""

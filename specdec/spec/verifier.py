@@ -97,6 +97,10 @@ class TreeVerified:
     tokens: list[int]
 
 
+# how a tree of deterministic candidates is verified at temperature > 0: (tree, node tokens, p [1 + n, V], generator)
+TreeAcceptance = Callable[[TokenTree, Sequence[int], torch.Tensor, torch.Generator | None], TreeVerified]
+
+
 def tree_greedy_match(tree: TokenTree, node_tokens: Sequence[int], target_argmax: Sequence[int]) -> TreeVerified:
     """Temperature 0: the deepest node whose whole path holds argmax p at every step (rows: 0 = the root, 1 + j =
     node j; the first in node order among equals: siblings may repeat a token), then argmax p after it.
@@ -110,8 +114,8 @@ def tree_rejection_sample(
     tree: TokenTree,
     node_tokens: Sequence[int],
     p: torch.Tensor,
-    q: torch.Tensor | None,
     generator: torch.Generator | None,
+    q: torch.Tensor | None = None,
 ) -> TreeVerified:
     """p [1 + n, V]: the target's distribution after the root and after each node; q [1 + n, V]: the draft's
     distribution that each node's children were drawn from (i.i.d.), or None for deterministic candidates."""

@@ -15,6 +15,7 @@ import torch
 
 from specdec.engine.sequence import Sequence
 from specdec.models.decoder import Decoder
+from specdec.spec.tree import TokenTree
 
 
 @dataclass(frozen=True)
@@ -25,6 +26,13 @@ class Draft:
     # a draft model's work per sequence: one forward per proposed token, taking in this many tokens in all (its
     # first forward catches up on what it has not seen); None = no model ran
     num_tokens_fed: list[int] | None = None
+    # per sequence, a token tree whose node j holds tokens[i, j] (then num_tokens[i] is its node count), or None
+    # for a chain; tree drafts are deterministic candidates (q = None)
+    trees: list[TokenTree | None] | None = None
+
+    def __post_init__(self) -> None:
+        if self.trees is not None and self.q is not None:
+            raise ValueError("tree drafts are deterministic candidates: q must be None")
 
     @classmethod
     def empty(cls, batch: int) -> "Draft":
@@ -40,15 +48,18 @@ class Draft:
 
 
 class Proposer(Protocol):
-    needs_hidden_states: bool  # whether propose() reads the target's hidden states (EAGLE, MTP)
+    needs_hidden_states: bool  # whether observe() is given the target's hidden states (Medusa, EAGLE, MTP)
     # the draft's own model, whose measured cost curve prices drafting; None where drafting costs next to nothing
     model: Decoder | None
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
         """Up to num_tokens[i] draft tokens continuing each sequence's committed tokens."""
 
-    def observe(self, seqs: Seq[Sequence]) -> None:
-        """Called after verification appended the accepted tokens: roll back what was rejected."""
+    def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
+        """Called after verification appended the accepted tokens: roll back what was rejected. Where the
+        proposer needs them, `hidden[i]` holds the target's final hidden states [k, hidden_size] of the tokens
+        seqs[i] fed and kept this step (its pending tokens, then the accepted drafts): the last one's LM-head
+        output gave the token the next step starts from."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: drop its state."""

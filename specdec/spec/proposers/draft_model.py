@@ -70,7 +70,7 @@ class DraftModelProposer:
         fed = [catch_up[i] + n - 1 if n else 0 for i, n in enumerate(drafted)]  # one forward per drafted token
         return Draft(tokens, drafted, q, num_tokens_fed=fed)
 
-    def observe(self, seqs: Seq[Sequence]) -> None:
+    def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:
             slot = self._slots.get(seq)
             if slot is not None:

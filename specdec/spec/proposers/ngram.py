@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence as Seq
 
+import torch
+
 from specdec.engine.sequence import Sequence
 from specdec.spec.proposers.base import Draft
 
@@ -67,7 +69,7 @@ class NgramProposer:
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
         return Draft.deterministic([self._index(seq).propose(n) for seq, n in zip(seqs, num_tokens)])
 
-    def observe(self, seqs: Seq[Sequence]) -> None:
+    def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:
             self._index(seq)
 

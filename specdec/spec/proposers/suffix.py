@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+import torch
+
 from specdec.engine.sequence import Sequence
 from specdec.spec.proposers.base import Draft
 
@@ -162,7 +164,7 @@ class SuffixProposer:
             drafts.append(found.tokens if found is not None else [])
         return Draft.deterministic(drafts)
 
-    def observe(self, seqs: Seq[Sequence]) -> None:
+    def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:
             self._catch_up(seq)
 
