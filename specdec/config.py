@@ -123,7 +123,9 @@ class SpeculativeConfig:
       `suffix_decoding_max_cached_requests` (previous requests' outputs kept for matching, LRU; 0
       matches only within the request), `suffix_decoding_max_spec_factor` (a match of m tokens
       proposes at most m × factor tokens), `suffix_decoding_min_token_prob` (stop where the
-      continuation's estimated probability falls below it). γ defaults to the tree depth.
+      continuation's estimated probability falls below it), `suffix_decoding_speculate_tree` (draft a token
+      tree of the most probable continuations, up to γ nodes, instead of one path; default False). γ
+      defaults to the tree depth.
     - `medusa`: `model`, a directory of Medusa heads (`specdec train-heads`; default: the heads trained for
       the target under the cache dir); `speculative_token_tree`, the tree of the heads' candidates as
       choice paths (a list of tuples, or its string as vLLM takes it; default `DEFAULT_MEDUSA_TREE`,
@@ -150,6 +152,7 @@ class SpeculativeConfig:
     suffix_decoding_max_cached_requests: int = 1000
     suffix_decoding_max_spec_factor: float = 1.0
     suffix_decoding_min_token_prob: float = 0.1
+    suffix_decoding_speculate_tree: bool = False
     adaptive: bool = True
     draft_confidence_threshold: float = 0.0
     speculative_token_tree: tuple[tuple[int, ...], ...] | None = None
@@ -199,6 +202,8 @@ class SpeculativeConfig:
         _check(_is_number(self.suffix_decoding_min_token_prob) and 0 <= self.suffix_decoding_min_token_prob <= 1,
                f"suffix_decoding_min_token_prob must be in [0, 1], got {self.suffix_decoding_min_token_prob!r}")
         _check(isinstance(self.adaptive, bool), f"adaptive must be true or false, got {self.adaptive!r}")
+        _check(isinstance(self.suffix_decoding_speculate_tree, bool),
+               f"suffix_decoding_speculate_tree must be true or false, got {self.suffix_decoding_speculate_tree!r}")
         _check(_is_number(self.draft_confidence_threshold) and 0 <= self.draft_confidence_threshold < 1,
                f"draft_confidence_threshold must be in [0, 1), got {self.draft_confidence_threshold!r}")
 

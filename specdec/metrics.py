@@ -16,15 +16,22 @@ class SpecStats:
     acceptance_histogram: list[int] = field(default_factory=list)  # accepted count per draft position
     draft_histogram: list[int] = field(default_factory=list)  # steps that drafted that far, per draft position
     gamma_histogram: list[int] = field(default_factory=list)  # steps per γ verified (0: a plain step)
+    # steps per number of draft tokens verified: a chain's γ, a tree's node count (its γ is its depth)
+    verified_histogram: list[int] = field(default_factory=list)
     num_draft_forwards: int = 0  # forwards of a draft model (its catch-up and drafting)
     num_draft_tokens_fed: int = 0  # tokens those forwards took in: one each, more where the draft caught up
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
 
-    def record(self, num_drafted: int, num_accepted: int, num_draft_forwards: int = 0, num_draft_tokens_fed: int = 0) -> None:
-        if len(self.gamma_histogram) <= num_drafted:
-            self.gamma_histogram.extend([0] * (num_drafted + 1 - len(self.gamma_histogram)))
-        self.gamma_histogram[num_drafted] += 1
+    def record(self, num_drafted: int, num_accepted: int, num_draft_forwards: int = 0, num_draft_tokens_fed: int = 0,
+               num_verified: int | None = None) -> None:
+        """A step that drafted `num_drafted` positions (a tree: its depth) and verified `num_verified` draft tokens
+        (a tree: its nodes; default num_drafted)."""
+        num_verified = num_drafted if num_verified is None else num_verified
+        for histogram, index in ((self.gamma_histogram, num_drafted), (self.verified_histogram, num_verified)):
+            if len(histogram) <= index:
+                histogram.extend([0] * (index + 1 - len(histogram)))
+            histogram[index] += 1
         self.num_draft_forwards += num_draft_forwards
         self.num_draft_tokens_fed += num_draft_tokens_fed
         if num_drafted == 0:
@@ -53,6 +60,7 @@ class SpecStats:
             _add(self.acceptance_histogram, other.acceptance_histogram),
             _add(self.draft_histogram, other.draft_histogram),
             _add(self.gamma_histogram, other.gamma_histogram),
+            _add(self.verified_histogram, other.verified_histogram),
             self.num_draft_forwards + other.num_draft_forwards,
             self.num_draft_tokens_fed + other.num_draft_tokens_fed,
             self.draft_time_s + other.draft_time_s,
@@ -75,6 +83,7 @@ class SpecStats:
             # P(position i accepted | the step drafted position i): acceptance per position, not i.i.d.
             "per_position_acceptance": [a / d for a, d in zip(self.acceptance_histogram, self.draft_histogram)],
             "gamma_histogram": list(self.gamma_histogram),
+            "verified_histogram": list(self.verified_histogram),
             "num_draft_forwards": self.num_draft_forwards,
             "num_draft_tokens_fed": self.num_draft_tokens_fed,
             "draft_time_s": self.draft_time_s,

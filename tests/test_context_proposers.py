@@ -14,6 +14,7 @@ CONFIGS = {
     "ngram-default": {"method": "ngram"},
     "suffix": {"method": "suffix"},
     "suffix-factor-2": {"method": "suffix", "suffix_decoding_max_spec_factor": 2.0, "suffix_decoding_min_token_prob": 0.0},
+    "suffix-tree": {"method": "suffix", "suffix_decoding_speculate_tree": True, "suffix_decoding_min_token_prob": 0.0},
 }
 
 
@@ -57,7 +58,9 @@ def test_no_match_means_plain_steps(tiny_qwen):
 @pytest.mark.parametrize("config", [
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 2, "adaptive": False},
     {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.0, "adaptive": False},
-], ids=["ngram", "suffix"])
+    {"method": "suffix", "num_speculative_tokens": 3, "suffix_decoding_min_token_prob": 0.0, "adaptive": False,
+     "suffix_decoding_speculate_tree": True},
+], ids=["ngram", "suffix", "suffix-tree"])
 def test_first_two_tokens_are_distributed_as_the_target(config, case, small_vocab_pair):
     """A repeating prompt whose copy the target takes about half the time (found by trying random
     patterns), so copies are drafted at every step; 20k samples vs the exact P(t1, t2)."""

@@ -53,6 +53,10 @@ def test_greedy_output_is_token_identical_to_plain(tree, vocab, tiny_qwen, plain
     assert sum(s["num_spec_steps"] for s in stats) > 0 and sum(s["num_accepted_tokens"] for s in stats) > 0
     for out, s in zip(outputs, stats):
         assert s["num_accepted_tokens"] + out.metrics.num_target_forwards == len(out.outputs[0].token_ids)
+        # every step counted once by depth and once by nodes verified; a tree verifies more nodes than its depth
+        nodes = sum(k * n for k, n in enumerate(s["verified_histogram"]))
+        assert sum(s["verified_histogram"]) == sum(s["gamma_histogram"]) and nodes >= s["num_draft_tokens"]
+        assert (nodes > s["num_draft_tokens"]) == (tree != CHAIN and s["num_spec_steps"] > 0)
     assert not llm.engine.running and llm.engine.cache.num_free_slots == llm.engine.cache.num_slots
 
 

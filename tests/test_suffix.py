@@ -8,7 +8,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec import LLM, SamplingParams
-from specdec.spec.proposers.suffix import SuffixTree, best_speculation, speculate
+from specdec.spec.proposers.suffix import SuffixTree, best_speculation, speculate, speculate_tree
+from specdec.spec.tree import TokenTree
 
 
 def tree_counts(tree: SuffixTree) -> dict[tuple[int, ...], tuple[int, int, int]]:
@@ -69,6 +70,37 @@ def test_speculation_follows_the_most_frequent_continuation_while_likely():
     # a 2-token match proposes at most 2 × factor tokens; the best score over match lengths wins
     assert best_speculation([tree], [5, 1, 2], 10, 0.5, 0.1).tokens == [3]
     assert best_speculation([tree], [9], 10, 1.0, 0.1).tokens == []
+
+
+def test_tree_speculation_takes_the_most_probable_continuations_best_first():
+    tree = SuffixTree(4)
+    tree.extend("a", [1, 2, 3, 1, 2, 4, 1, 2, 3])
+    [_, node_12] = tree.match([5, 1, 2])
+    # below "1 2": 3 (2/3), then "3 1" (2/3 · 1: "1 2 3" continues once, with 1), 4 (1/3), "4 1" (1/3 · 1)
+    found = speculate_tree(node_12, 10, 0.1)
+    assert found.tokens == [3, 1, 4, 1] and found.parents == (-1, 0, -1, 2)
+    assert abs(found.score - 2.0) < 1e-12
+    assert speculate_tree(node_12, 2, 0.1).tokens == [3, 1]  # a node budget
+    assert speculate_tree(node_12, 10, 0.5).tokens == [3, 1]  # 4 is below the probability floor
+    chain = speculate(node_12, 10, 0.1)
+    assert found.tokens[: len(chain.tokens)] == chain.tokens  # the chain is the tree's first branch here
+    assert best_speculation([tree], [5, 1, 2], 10, 2.0, 0.1, as_tree=True).parents == (-1, 0, -1, 2)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 4), min_size=2, max_size=40), st.integers(1, 12), st.floats(0.0, 0.5))
+def test_tree_speculation_is_a_valid_tree_of_paths_that_occur(tokens, budget, floor):
+    tree = SuffixTree(6)
+    tree.extend("a", tokens)
+    for node in tree.match(tokens[-3:]):
+        found = speculate_tree(node, budget, floor)
+        assert len(found.tokens) <= budget
+        token_tree = TokenTree(found.parents) if found.parents else None  # parents first, or it raises
+        for j in range(len(found.tokens)):
+            path = [found.tokens[a] for a in token_tree.path_to(j)]
+            below = node
+            for t in path:  # every node's path continues the match somewhere in the sequence
+                below = below.children[t]
 
 
 def _suffix_llm(model, **options) -> LLM:

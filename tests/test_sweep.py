@@ -24,6 +24,8 @@ def test_percentiles_and_predictions_by_hand():
     v = {1: 1.0, 2: 1.1, 3: 1.2, 4: 1.3, 5: 1.4}
     # 10 tokens from 2 plain steps + 2 speculative steps of 3 drafts each: 2 + 2 · (v(4) + 3 · 0.1)
     assert cost_aware_speedup(10, 4, 2, 6, 0.1, v) == pytest.approx(10 / 5.2)
+    # trees 1 deep with 4 nodes each: the forward is priced by its 4 + 1 rows, the drafting by the depth
+    assert cost_aware_speedup(10, 4, 2, 2, 0.1, v, verified=8) == pytest.approx(10 / (2 + 2 * (1.4 + 0.1)))
     # every step drafting γ: the formula E[L] / (γc + v(γ+1))
     mean_length = expected_length(0.7, 3)
     assert cost_aware_speedup(round(100 * mean_length), 100, 100, 300, 0.05, v) == pytest.approx(

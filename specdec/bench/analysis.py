@@ -43,11 +43,14 @@ def seeds_speedup(alpha: float, gamma: float, c: float) -> float:
     return expected_length(alpha, gamma) / (gamma * c + 1)
 
 
-def cost_aware_speedup(tokens: int, forwards: int, spec_steps: int, drafted: int, c: float, v: dict[int, float]) -> float:
+def cost_aware_speedup(tokens: int, forwards: int, spec_steps: int, drafted: int, c: float, v: dict[int, float],
+                       verified: int | None = None) -> float:
     """Plain decoding's cost (one forward per token) over the speculative run's: its plain steps,
-    plus each speculative step's forward over its drafts + 1 tokens and its drafting."""
+    plus each speculative step's forward over its verified drafts + 1 tokens (a tree's nodes; default the
+    drafts) and its drafting."""
     gamma = drafted / spec_steps if spec_steps else 0.0
-    cost = (forwards - spec_steps) + spec_steps * (_interpolate(v, gamma + 1) + gamma * c)
+    rows = (drafted if verified is None else verified) / spec_steps if spec_steps else 0.0
+    cost = (forwards - spec_steps) + spec_steps * (_interpolate(v, rows + 1) + gamma * c)
     return tokens / cost if cost else float("nan")
 
 
@@ -59,15 +62,16 @@ def _interpolate(v: dict[int, float], k: float) -> float:
     return v[low] if high == low else v[low] + (v[high] - v[low]) * (k - low) / (high - low)
 
 
-def modeled_speedup(tokens: int, gamma_histogram: list[int], draft_forwards: int, draft_tokens_fed: int,
+def modeled_speedup(tokens: int, verified_histogram: list[int], draft_forwards: int, draft_tokens_fed: int,
                     cost: dict[str, Any]) -> float:
-    """Plain decoding's modeled time (one forward per token) ÷ this run's: Σ_γ steps(γ) · v(γ + 1), plus
+    """Plain decoding's modeled time (one forward per token) ÷ this run's: Σ_k steps(k) · v(k + 1) over the steps
+    that verified k draft tokens (a chain's γ, a tree's nodes), plus
     the draft model's forwards at draft_ms(1) and the extra tokens of its catch-ups (its prefill of each
     prompt, its catch-up after plain steps) at the draft curve's cost per extra token, all ÷ target_ms(1)."""
     v = monotone({int(k): x for k, x in cost["v"].items()})  # as the controller reads the curve
     draft_ms = draft_forwards * cost.get("draft_ms_k1", 0.0)
     draft_ms += (draft_tokens_fed - draft_forwards) * cost.get("draft_ms_per_extra_token", 0.0)
-    units = sum(n * _interpolate(v, gamma + 1) for gamma, n in enumerate(gamma_histogram))
+    units = sum(n * _interpolate(v, k + 1) for k, n in enumerate(verified_histogram))
     units += draft_ms / cost["target_ms_k1"]
     return tokens / units if units else float("nan")
 
@@ -130,7 +134,9 @@ def cell_row(cell: dict[str, Any]) -> CellRow:
     summary = total.summary()
     row.gamma_histogram = summary["gamma_histogram"]
     if row.gamma_histogram:
-        row.modeled_speedup = modeled_speedup(tokens, row.gamma_histogram, total.num_draft_forwards,
+        # verify forwards priced by the draft tokens they took in (a tree's nodes; cells from before trees: γ)
+        verified = summary.get("verified_histogram") or row.gamma_histogram
+        row.modeled_speedup = modeled_speedup(tokens, verified, total.num_draft_forwards,
                                               total.num_draft_tokens_fed, cell["cost"])
     if not total.num_spec_steps:
         return row
@@ -145,7 +151,9 @@ def cell_row(cell: dict[str, Any]) -> CellRow:
     row.c = total.draft_time_s / total.num_draft_tokens / (cost["target_ms_k1"] / 1000)
     v = {int(k): x for k, x in cost["v"].items()}
     row.predicted_seeds = seeds_speedup(row.alpha, gamma, row.c)
-    row.predicted_cost_aware = cost_aware_speedup(tokens, forwards, total.num_spec_steps, total.num_draft_tokens, row.c, v)
+    verified = sum(k * n for k, n in enumerate(total.verified_histogram)) or None  # (cells from before trees: None)
+    row.predicted_cost_aware = cost_aware_speedup(tokens, forwards, total.num_spec_steps, total.num_draft_tokens, row.c, v,
+                                                  verified)
     return row
 
 

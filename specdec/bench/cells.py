@@ -20,7 +20,7 @@ from specdec.bench.dataset import load_prompts, render
 from specdec.bench.quality import passes_tests
 
 
-LABELLED_OPTIONS = ("draft_confidence_threshold", "acceptance_method")  # speculative options a setup's label shows
+LABELLED_OPTIONS = ("draft_confidence_threshold", "acceptance_method", "suffix_decoding_speculate_tree")  # speculative options a setup's label shows
 
 
 @dataclass(frozen=True)
@@ -178,9 +178,10 @@ class _SpecdecEngine:
 
         curve = self.llm.cost_curve()
         context = int(statistics.mean(len(p) for p in ids) + workload.max_tokens / 2)
-        gamma = self.setup.gamma
+        # up to 33 rows: a tree verifies more nodes than its depth γ
+        rows = max(self.setup.gamma + 1, 33)
         cost = {"context": context, "target_ms_k1": curve.forward_ms(1, context),
-                "v": {k: curve.relative(k, context) for k in range(1, gamma + 2)}}
+                "v": {k: curve.relative(k, context) for k in range(1, rows + 1)}}
         proposer = self.llm.engine.proposer
         if proposer is not None and proposer.model is not None:
             draft = cached_cost_curve(proposer.model, cache_dir())

@@ -154,7 +154,7 @@ class Engine:
                 seq.logprobs += token_logprobs(seq_logits[rows], verified.tokens[:kept], seq.params.logprobs)
             if seq.spec_stats is not None:
                 self.controller.observe(seq, draft.depth, len(verified.path))
-                seq.spec_stats.record(draft.depth, min(len(verified.path), kept), *draft.work)
+                seq.spec_stats.record(draft.depth, min(len(verified.path), kept), *draft.work, len(draft.tokens))
             if self.proposer is not None and self.proposer.needs_hidden_states:
                 hidden.append(output.hidden[[*range(first_row, first_row + len(tokens)),
                                              *(first_row + len(tokens) + node for node in verified.path)]])

@@ -51,6 +51,7 @@ def _suffix(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
         spec.suffix_decoding_max_cached_requests,
         spec.suffix_decoding_max_spec_factor,
         spec.suffix_decoding_min_token_prob,
+        spec.suffix_decoding_speculate_tree,
     )
 
 

@@ -6,12 +6,15 @@ shared by the proposer over the outputs of the sequences it served (the active o
 suffix of the sequence's last `max_depth` tokens in both trees; from each matched node it follows
 the most frequent continuation while its estimated probability (product of child count ÷ the
 node's continued count) stays ≥ `min_token_prob`, for at most `match length × max_spec_factor`
-tokens; the path with the highest summed probability is the draft (deterministic, q = None).
+tokens; the path with the highest summed probability is the draft (deterministic, q = None). With
+`tree`, the draft is a token tree of the most probable continuations below the best match instead
+(best first, at most γ nodes), verified in one forward like Medusa's.
 The shared tree belongs to the proposer, so to one engine: requests share it only there.
 """
 
 from __future__ import annotations
 
+import heapq
 import itertools
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
@@ -21,6 +24,7 @@ import torch
 
 from specdec.engine.sequence import Sequence
 from specdec.spec.proposers.base import Draft
+from specdec.spec.tree import ROOT, TokenTree
 
 
 class _Node:
@@ -108,6 +112,7 @@ class SuffixTree:
 class SuffixSpeculation:
     tokens: list[int]
     score: float  # sum of the tokens' estimated probabilities: expected accepted tokens
+    parents: tuple[int, ...] | None = None  # a tree's (tokens[j] under tokens[parents[j]]); None: a chain
 
 
 def speculate(node: _Node, max_tokens: int, min_token_prob: float) -> SuffixSpeculation:
@@ -124,14 +129,39 @@ def speculate(node: _Node, max_tokens: int, min_token_prob: float) -> SuffixSpec
     return SuffixSpeculation(tokens, score)
 
 
+def speculate_tree(node: _Node, max_tokens: int, min_token_prob: float) -> SuffixSpeculation:
+    """The `max_tokens` most probable continuations below node as a token tree (SuffixDecoding's tree speculation):
+    best first by estimated probability (the product of count ÷ continued along the path), each ≥ min_token_prob.
+    Nodes come out parents first, siblings most probable first."""
+    tokens: list[int] = []
+    parents: list[int] = []
+    score = 0.0
+    order = itertools.count()  # ties: the earlier-found path first
+    frontier = [(-child.count / node.continued, next(order), ROOT, child) for child in node.children.values()]
+    heapq.heapify(frontier)
+    while frontier and len(tokens) < max_tokens:
+        negative, _, parent, child = heapq.heappop(frontier)
+        prob = -negative
+        if prob < min_token_prob:
+            break
+        tokens.append(child.token)
+        parents.append(parent)
+        score += prob
+        index = len(tokens) - 1
+        for grandchild in child.children.values():
+            heapq.heappush(frontier, (-prob * grandchild.count / child.continued, next(order), index, grandchild))
+    return SuffixSpeculation(tokens, score, tuple(parents))
+
+
 def best_speculation(
-    trees: Seq[SuffixTree], pattern: Seq[int], max_tokens: int, max_spec_factor: float, min_token_prob: float
+    trees: Seq[SuffixTree], pattern: Seq[int], max_tokens: int, max_spec_factor: float, min_token_prob: float,
+    as_tree: bool = False,
 ) -> SuffixSpeculation:
     best = SuffixSpeculation([], 0.0)
     for tree in trees:
         for length, node in enumerate(tree.match(pattern), start=1):
             limit = min(max_tokens, int(length * max_spec_factor + 1e-9))
-            found = speculate(node, limit, min_token_prob)
+            found = speculate_tree(node, limit, min_token_prob) if as_tree else speculate(node, limit, min_token_prob)
             if found.score > best.score:
                 best = found
     return best
@@ -141,7 +171,10 @@ class SuffixProposer:
     needs_hidden_states = False
     model = None  # a lookup, next to free beside a target forward
 
-    def __init__(self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float) -> None:
+    def __init__(
+        self, max_depth: int, max_cached_requests: int, max_spec_factor: float, min_token_prob: float, tree: bool = False
+    ) -> None:
+        self.tree = tree  # draft token trees (up to γ nodes) instead of one path
         self.max_depth = max_depth
         self.max_cached_requests = max_cached_requests
         self.max_spec_factor = max_spec_factor
@@ -155,14 +188,18 @@ class SuffixProposer:
         self.cached: OrderedDict[int, list[int]] = OrderedDict()  # finished outputs in the shared tree, oldest first
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
-        drafts = []
+        drafts, token_trees = [], []
         for seq, n in zip(seqs, num_tokens):
             local = self._catch_up(seq)
             trees = [local] if self.shared is None else [local, self.shared]
             pattern = seq.token_ids_from(max(0, seq.num_tokens - self.max_depth))
-            found = best_speculation(trees, pattern, n, self.max_spec_factor, self.min_token_prob) if n > 0 else None
-            drafts.append(found.tokens if found is not None else [])
-        return Draft.deterministic(drafts)
+            found = SuffixSpeculation([], 0.0)
+            if n > 0:
+                found = best_speculation(trees, pattern, n, self.max_spec_factor, self.min_token_prob, self.tree)
+            drafts.append(found.tokens)
+            token_trees.append(TokenTree(found.parents) if found.parents else None)
+        draft = Draft.deterministic(drafts)
+        return Draft(draft.tokens, draft.num_tokens, None, trees=token_trees) if self.tree else draft
 
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:
