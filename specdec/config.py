@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -231,8 +232,6 @@ DEFAULT_MEDUSA_TREE = ((0,), (0, 0), (0, 0, 0), (0, 0, 0, 0), (0, 0, 1), (0, 1),
 def _token_tree(value: object) -> tuple[tuple[int, ...], ...]:
     """Choice paths from a list of tuples, or from its string (vLLM passes `speculative_token_tree` as one)."""
     if isinstance(value, str):
-        import ast
-
         try:
             value = ast.literal_eval(value)
         except (ValueError, SyntaxError) as error:

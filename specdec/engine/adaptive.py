@@ -302,8 +302,10 @@ class AdaptiveGamma:
             if self.costs.draft is None:  # a lookup that found nothing: the step is a plain one, and timed as one
                 state.drafted, state.modeled_ms = 0, self._modeled_ms(state, 0)
             return 0
-        sizes = range(num_drafted + 1) if sizes is None else sizes  # a chain: k tokens down to depth k
-        verify_ms = [self._verify_ms(state, sizes[k]) for k in range(num_drafted + 1)]
+        if sizes is None:  # a chain: k tokens down to depth k, priced when γ was chosen
+            sizes, verify_ms = range(num_drafted + 1), state.verify_ms
+        else:
+            verify_ms = [self._verify_ms(state, sizes[k]) for k in range(num_drafted + 1)]
         gains = [state.expected[k] - state.rate * verify_ms[k] for k in range(num_drafted + 1)]
         kept = max(range(num_drafted + 1), key=gains.__getitem__)
         state.modeled_ms = self._modeled_ms(state, num_drafted, sizes[kept])

@@ -213,9 +213,9 @@ class Engine:
                 tokens, q = tokens[:n], None if draft.q is None else draft.q[i, :n]
             else:
                 # the deepest levels whose expected tokens are worth their rows; a tree's rows must fit the room too
-                depth = min(tree.max_depth, gammas[i])
-                depth = max(d for d in range(depth + 1) if tree.sizes()[d] <= room[seq])
-                tree, kept = tree.pruned(self.controller.trim(seq, depth, tree.sizes()[: depth + 1]))
+                sizes = tree.sizes()
+                depth = max(d for d in range(min(tree.max_depth, gammas[i]) + 1) if sizes[d] <= room[seq])
+                tree, kept = tree.pruned(self.controller.trim(seq, depth, sizes[: depth + 1]))
                 tokens = [tokens[node] for node in kept]
             work = (0, 0) if draft.num_tokens_fed is None else (draft.num_tokens[i], draft.num_tokens_fed[i])
             if tokens or work[0]:

@@ -111,6 +111,8 @@ class TokenTree:
 
     def pruned(self, max_depth: int) -> tuple["TokenTree", list[int]]:
         """The nodes down to `max_depth` as a tree of their own, and which nodes of this tree they are."""
+        if max_depth >= self.max_depth:  # the whole tree (every step's usual case): nothing to rebuild
+            return self, list(range(self.num_nodes))
         kept = [node for node in range(self.num_nodes) if self.depths[node] <= max_depth]
         index = {node: i for i, node in enumerate(kept)}
         parents = tuple(ROOT if self.parents[node] == ROOT else index[self.parents[node]] for node in kept)
