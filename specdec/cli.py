@@ -54,13 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     # plain by default until adaptive γ holds all its gates (issue 7: within 5% of the best fixed γ is not met yet)
     gen.add_argument("--method", default="none",
                      help="speculation method: none (default), auto (draft_model with the embedded 0.5B draft for the "
-                          "embedded target, none for other models), draft_model, ngram (prompt lookup), suffix or "
-                          "medusa (heads from `specdec train-heads`)")
+                          "embedded target, none for other models), draft_model, ngram (prompt lookup), suffix, "
+                          "medusa or eagle (heads / draft layer from `specdec train-heads`)")
     gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL}); "
-                                                    "medusa: a heads directory (default: the target's trained heads)")
+                                                    "medusa, eagle: a heads / layer directory (default: the target's "
+                                                    "trained ones)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24; medusa: its "
-                          "token tree's depth)")
+                          "token tree's depth; eagle: 4)")
+    gen.add_argument("--eagle-topk", type=int, default=None,
+                     help="eagle: candidates expanded per depth (1: a chain, default; > 1: EAGLE-2's dynamic tree)")
+    gen.add_argument("--num-draft-tokens", type=int, default=None, help="eagle: the dynamic tree's nodes (default 8)")
     gen.add_argument("--no-adaptive", action="store_true",
                      help="draft γ tokens every step instead of letting the engine choose γ from measured acceptance and cost")
     gen.add_argument("--draft-confidence-threshold", type=float, default=None,
@@ -98,19 +102,26 @@ def _parser() -> argparse.ArgumentParser:
     models_list.set_defaults(run=_models_list)
 
     train = commands.add_parser("train-heads", help="train draft heads for a target by self-distillation (CPU)")
-    train.add_argument("--method", choices=["medusa"], required=True)
+    train.add_argument("--method", choices=["medusa", "eagle"], required=True)
     train.add_argument("--model", default=zoo.DEFAULT_MODEL, help="the target: embedded name, HF directory or .gguf file")
-    train.add_argument("--out", default=None, help="heads directory (default: $SPECDEC_CACHE/heads/medusa/<model>, "
+    train.add_argument("--out", default=None, help="heads directory (default: $SPECDEC_CACHE/heads/<method>/<model>, "
                                                     "where speculative_config finds them without 'model')")
-    train.add_argument("--num-heads", type=int, default=4)
-    train.add_argument("--num-layers", type=int, default=1, help="residual blocks per head")
+    train.add_argument("--data", default=None, help="directory of the corpus's target hidden states, shared between "
+                                                    "methods (default: OUT/data)")
+    train.add_argument("--num-heads", type=int, default=4, help="medusa: heads")
+    train.add_argument("--num-layers", type=int, default=1, help="medusa: residual blocks per head")
+    train.add_argument("--intermediate-size", type=int, default=None,
+                       help="eagle: the draft layer's MLP width (default: the target's)")
+    train.add_argument("--token-weight", type=float, default=None,
+                       help="eagle: the token loss's weight beside the feature loss (default 1.0; EAGLE's is 0.1)")
     train.add_argument("--vocab-size", type=int, default=32_768,
                        help="the heads' output vocabulary: the corpus's most frequent tokens (0: all)")
     train.add_argument("--corpus-tokens", type=int, default=60_000, help="tokens of standard-library source")
     train.add_argument("--generated-tokens", type=int, default=4_096, help="tokens the target generates itself")
-    train.add_argument("--epochs", type=int, default=2)
-    train.add_argument("--batch-size", type=int, default=128)
-    train.add_argument("--lr", type=float, default=1e-3)
+    train.add_argument("--epochs", type=int, default=None, help="default: medusa 2, eagle 4")
+    train.add_argument("--batch-size", type=int, default=None,
+                       help="positions per step (medusa, default 128) or corpus chunks per step (eagle, default 1)")
+    train.add_argument("--lr", type=float, default=None, help="learning rate (medusa 1e-3, eagle 5e-4)")
     train.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                        help="the target's weight format while it reads the corpus (use the one you serve)")
     train.set_defaults(run=_train_heads)
@@ -130,15 +141,29 @@ def _train_heads(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from specdec import LLM
+    from specdec.models.eagle import default_eagle_dir
     from specdec.models.medusa import default_heads_dir
     from specdec.training.data import CorpusConfig
+    from specdec.training.eagle import EagleTrainingConfig, train_eagle
     from specdec.training.medusa import MedusaTrainingConfig, train_medusa
 
     corpus = CorpusConfig(args.corpus_tokens, args.generated_tokens)
-    config = MedusaTrainingConfig(args.num_heads, args.num_layers, args.vocab_size, args.epochs, args.batch_size, args.lr)
-    out = Path(args.out) if args.out else default_heads_dir(args.model)
+    given = {name: value for name, value in (("batch_size", args.batch_size), ("learning_rate", args.lr),
+                                             ("epochs", args.epochs)) if value is not None}
+    if args.method == "medusa":
+        config = MedusaTrainingConfig(args.num_heads, args.num_layers, args.vocab_size, **given)
+        out = Path(args.out) if args.out else default_heads_dir(args.model)
+    else:
+        if "batch_size" in given:
+            given["batch_chunks"] = given.pop("batch_size")
+        if args.token_weight is not None:
+            given["token_weight"] = args.token_weight
+        config = EagleTrainingConfig(args.intermediate_size, args.vocab_size, **given)
+        out = Path(args.out) if args.out else default_eagle_dir(args.model)
     llm = LLM(args.model, quantization=_format(args.quantization))
-    report = train_medusa(llm, out, corpus, config)
+    data = Path(args.data) if args.data else None
+    report = (train_medusa(llm, out, corpus, config, data) if args.method == "medusa"
+              else train_eagle(llm, out, corpus, config, data))
     print(json.dumps({"heads": str(out), "before": report["before"], "after": report["after"]}, indent=2))
     return 0
 
@@ -165,12 +190,16 @@ def _generate(args: argparse.Namespace) -> int:
     if method == "auto":  # the embedded pair speculates; another model has no known draft
         method = "draft_model" if args.draft is not None or args.model == zoo.DEFAULT_MODEL else "none"
     if method != "none":
-        gamma = args.num_speculative_tokens or (None if method in ("suffix", "medusa") else DEFAULT_MAX_GAMMA)
+        gamma = args.num_speculative_tokens or (None if method in ("suffix", "medusa", "eagle") else DEFAULT_MAX_GAMMA)
         speculative_config = {"method": method, "num_speculative_tokens": gamma, "adaptive": not args.no_adaptive,
                               "model": args.draft, "quantization": _format(args.draft_quantization),
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
         if args.draft_confidence_threshold is not None:
             speculative_config["draft_confidence_threshold"] = args.draft_confidence_threshold
+        if args.eagle_topk is not None:
+            speculative_config["speculative_eagle_topk"] = args.eagle_topk
+        if args.num_draft_tokens is not None:
+            speculative_config["speculative_num_draft_tokens"] = args.num_draft_tokens
     llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
               quantization=_format(args.quantization), max_model_len=args.max_model_len)
     load_s = time.perf_counter() - start

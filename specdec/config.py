@@ -131,7 +131,14 @@ class SpeculativeConfig:
       the target under the cache dir); `speculative_token_tree`, the tree of the heads' candidates as
       choice paths (a list of tuples, or its string as vLLM takes it; default `DEFAULT_MEDUSA_TREE`,
       below, down to as many levels as there are heads); γ (default: the tree's depth) is the deepest a step drafts.
-    Tree drafts (Medusa) at temperature > 0: `acceptance_method` "rejection_sampler" (lossless, default) or
+    - `eagle`: `model`, a directory with an EAGLE draft layer (`specdec train-heads --method eagle`, or an
+      official EAGLE-1/2 checkpoint; default: the layer trained for the target under the cache dir), in weight
+      format `quantization`; SGLang's tree knobs: `speculative_eagle_topk` (1, the default, drafts a chain as
+      vLLM's EAGLE does; k > 1 grows EAGLE-2's dynamic tree, expanding the k most confident candidates per
+      depth), `speculative_num_draft_tokens` (the tree's nodes, default `DEFAULT_EAGLE_DRAFT_TOKENS`),
+      `speculative_num_steps` (an alias of num_speculative_tokens, the depth; default `DEFAULT_EAGLE_DEPTH`).
+      `draft_model` takes the same tree knobs (SGLang's standalone speculation): top-k > 1 drafts dynamic trees.
+    Tree drafts (Medusa, EAGLE) at temperature > 0: `acceptance_method` "rejection_sampler" (lossless, default) or
     "typical_acceptance_sampler" (Medusa's, lossy: a candidate x passes where p(x) > min(ε, δ·exp(−H(p))),
     ε = `typical_acceptance_sampler_posterior_threshold`, δ = `typical_acceptance_sampler_posterior_alpha`).
     Every method: `adaptive` (default True) lets the engine choose γ ≤ num_speculative_tokens each step
@@ -160,11 +167,23 @@ class SpeculativeConfig:
     acceptance_method: str = "rejection_sampler"
     typical_acceptance_sampler_posterior_threshold: float = 0.09
     typical_acceptance_sampler_posterior_alpha: float = 0.3
+    speculative_eagle_topk: int = 1
+    speculative_num_draft_tokens: int | None = None
+    speculative_num_steps: int | None = None
 
     def __post_init__(self) -> None:
         _check(isinstance(self.method, str) and bool(self.method), f"speculative method must be a name, got {self.method!r}")
         if self.speculative_token_tree is not None:
             object.__setattr__(self, "speculative_token_tree", _token_tree(self.speculative_token_tree))
+        if self.speculative_num_steps is not None:
+            _check(self.num_speculative_tokens in (None, self.speculative_num_steps),
+                   f"speculative_num_steps ({self.speculative_num_steps!r}) is an alias of num_speculative_tokens "
+                   f"({self.num_speculative_tokens!r}): give one, or both equal")
+            object.__setattr__(self, "num_speculative_tokens", self.speculative_num_steps)
+        _check(_is_count(self.speculative_eagle_topk, 1, 16),
+               f"speculative_eagle_topk must be an integer in [1, 16], got {self.speculative_eagle_topk!r}")
+        if self.method == "eagle" and self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", DEFAULT_EAGLE_DEPTH)
         if self.num_speculative_tokens is None and self.method == "medusa":
             tree = self.speculative_token_tree or DEFAULT_MEDUSA_TREE
             object.__setattr__(self, "num_speculative_tokens", max(map(len, tree)))
@@ -186,6 +205,11 @@ class SpeculativeConfig:
             _is_count(self.num_speculative_tokens, 1, 64),
             f"num_speculative_tokens must be an integer in [1, 64], got {self.num_speculative_tokens!r}",
         )
+        if self.speculative_num_draft_tokens is None:
+            default = self.num_speculative_tokens if self.speculative_eagle_topk == 1 else DEFAULT_EAGLE_DRAFT_TOKENS
+            object.__setattr__(self, "speculative_num_draft_tokens", default)
+        _check(_is_count(self.speculative_num_draft_tokens, 1, 64),
+               f"speculative_num_draft_tokens must be an integer in [1, 64], got {self.speculative_num_draft_tokens!r}")
         _check_quantization(self.quantization, "draft")
         low, high = self.prompt_lookup_min, self.prompt_lookup_max
         if low is None and high is None:
@@ -223,6 +247,11 @@ class SpeculativeConfig:
 
 
 ACCEPTANCE_METHODS = ("rejection_sampler", "typical_acceptance_sampler")
+# EAGLE's depth when neither num_speculative_tokens nor speculative_num_steps is given, and its tree's nodes where
+# top-k > 1: a tree's rows cost a CPU verify forward what a GPU's don't (BENCHMARKS.md, medusa), so the default
+# tree is small next to EAGLE-2's 60 nodes
+DEFAULT_EAGLE_DEPTH = 4
+DEFAULT_EAGLE_DRAFT_TOKENS = 8
 # Medusa's own default trees (mc_sim_7b_63) verify 63 nodes: on a GPU nearly free, on this CPU ~3× a step. This one
 # keeps 10 nodes down to depth 4; verified whole every step it loses here (BENCHMARKS.md, medusa), while the adaptive
 # controller (the default) cuts it to the depth that pays, mostly the heads' top 3 at depth 1.

@@ -65,23 +65,31 @@ def test_generate_auto_speculates_with_the_embedded_pair(capsys):
     assert sd["num_spec_steps"] > 0 and plain["metrics"]["speculative_decoding"] is None
 
 
-def test_medusa_tree_matches_plain_on_the_1_5b(tmp_path):
-    """Heads trained for a minute (a small corpus, one epoch) guess often enough that steps accept and reject tree
-    nodes; greedy identity with plain decoding on code prompts (int8 target, the default)."""
+def test_medusa_and_eagle_trees_match_plain_on_the_1_5b(tmp_path):
+    """Medusa heads and an EAGLE layer trained for a minute each (a small corpus read once by the target) guess often
+    enough that steps accept and reject tree nodes; greedy identity with plain decoding on code prompts (int8 target,
+    the default)."""
     from specdec.training.data import CorpusConfig
+    from specdec.training.eagle import EagleTrainingConfig, train_eagle
     from specdec.training.medusa import MedusaTrainingConfig, train_medusa
 
     params = SamplingParams(temperature=0, max_tokens=96)
     llm = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=3)
-    train_medusa(llm, tmp_path / "heads", CorpusConfig(corpus_tokens=6000, generated_tokens=0),
-                 MedusaTrainingConfig(num_heads=3, vocab_size=8192, epochs=1))
+    corpus = CorpusConfig(corpus_tokens=6000, generated_tokens=0)
+    train_medusa(llm, tmp_path / "heads", corpus, MedusaTrainingConfig(num_heads=3, vocab_size=8192, epochs=1))
+    train_eagle(llm, tmp_path / "eagle", corpus, EagleTrainingConfig(intermediate_size=1024, vocab_size=8192, epochs=2),
+                data=tmp_path / "heads" / "data")
     prompts = [{"prompt_token_ids": render(p, llm.get_tokenizer())} for p in load_prompts("code")[:3]]
     plain = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     del llm
-    spec = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=3, speculative_config={
-        "method": "medusa", "model": str(tmp_path / "heads"), "adaptive": False,
-        "speculative_token_tree": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]})
-    outputs = spec.generate(prompts, params)
-    assert [o.outputs[0].token_ids for o in outputs] == plain
-    accepted = sum(o.metrics.speculative_decoding["num_accepted_tokens"] for o in outputs)
-    assert accepted > 0.2 * sum(len(o.outputs[0].token_ids) for o in outputs)
+    for config in ({"method": "medusa", "model": str(tmp_path / "heads"),
+                    "speculative_token_tree": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]},
+                   {"method": "eagle", "model": str(tmp_path / "eagle"), "speculative_eagle_topk": 3,
+                    "speculative_num_draft_tokens": 7, "num_speculative_tokens": 3}):
+        spec = LLM("qwen2.5-coder-1.5b", max_model_len=1024, max_num_seqs=3,
+                   speculative_config={**config, "adaptive": False})
+        outputs = spec.generate(prompts, params)
+        assert [o.outputs[0].token_ids for o in outputs] == plain, config["method"]
+        accepted = sum(o.metrics.speculative_decoding["num_accepted_tokens"] for o in outputs)
+        assert accepted > 0.2 * sum(len(o.outputs[0].token_ids) for o in outputs), config["method"]
+        del spec

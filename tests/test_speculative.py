@@ -62,6 +62,36 @@ def test_greedy_speculation_is_token_identical_to_plain(gamma, tiny_qwen, tiny_q
     assert_idle(llm)
 
 
+@pytest.mark.parametrize("top_k, nodes", [(2, 5), (3, 8), (4, 4)])
+def test_draft_model_trees_are_token_identical_to_plain(top_k, nodes, tiny_qwen, tiny_qwen_draft, plain_greedy):
+    """The draft grows a dynamic tree (its top-k most confident candidates expanded per depth, SGLang's standalone
+    knobs); the target verifies it: plain's output, and trees verified more nodes than their depth."""
+    config = {**draft_config(tiny_qwen_draft, 4), "speculative_eagle_topk": top_k, "speculative_num_draft_tokens": nodes}
+    llm = LLM(str(tiny_qwen), speculative_config=config, quantization=None, max_model_len=128, max_num_seqs=3)
+    outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == plain_greedy
+    stats = [o.metrics.speculative_decoding for o in outputs]
+    assert sum(s["num_accepted_tokens"] for s in stats) > 0
+    for out, s in zip(outputs, stats):
+        assert s["num_accepted_tokens"] + out.metrics.num_target_forwards == len(out.outputs[0].token_ids)
+        verified = sum(k * n for k, n in enumerate(s["verified_histogram"]))
+        assert verified > s["num_draft_tokens"] and max(k for k, n in enumerate(s["verified_histogram"]) if n) <= nodes
+    assert_idle(llm)
+
+
+@pytest.mark.parametrize("case", ["temperature-1", "temperature-0.7-top-k-5"])
+def test_draft_model_trees_keep_the_targets_distribution(case, small_vocab_pair):
+    target, draft = small_vocab_pair
+    base = DISTRIBUTION_CASES[case]
+    params = SamplingParams(n=NUM_SAMPLES, temperature=base.temperature, top_k=base.top_k, max_tokens=4, seed=2024,
+                            ignore_eos=True)
+    prompt = [1, 2, 3]
+    config = {**draft_config(draft, 2), "speculative_eagle_topk": 3, "speculative_num_draft_tokens": 5}
+    counts, stats = sampled_first_two(target, config, params, prompt)
+    assert 100 < stats["acceptance_histogram"][0] < stats["num_spec_steps"] - 100
+    assert chi_square_pvalue(counts, exact_first_two(target, prompt, params)) > 1e-4
+
+
 @pytest.mark.parametrize("gamma", [1, 3, 5])
 def test_draft_equal_to_target_accepts_everything(gamma, tiny_qwen):
     llm = spec_llm(tiny_qwen, tiny_qwen, gamma, max_model_len=128)

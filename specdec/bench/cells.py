@@ -20,7 +20,8 @@ from specdec.bench.dataset import load_prompts, render
 from specdec.bench.quality import passes_tests
 
 
-LABELLED_OPTIONS = ("draft_confidence_threshold", "acceptance_method", "suffix_decoding_speculate_tree")  # speculative options a setup's label shows
+# speculative options a setup's label shows
+LABELLED_OPTIONS = ("draft_confidence_threshold", "acceptance_method", "suffix_decoding_speculate_tree")
 
 
 @dataclass(frozen=True)
@@ -78,7 +79,9 @@ class EngineSetup:
         tree = config.get("speculative_token_tree")
         if tree:
             chain = all(list(c) == [0] * len(c) for c in tree)
-            extra = (f" chain" if chain else f" tree ({len(tree)} nodes)") + extra
+            extra = (" chain" if chain else f" tree ({len(tree)} nodes)") + extra
+        if config.get("speculative_eagle_topk", 1) > 1:  # a dynamic tree
+            extra = f" tree (top-{config['speculative_eagle_topk']}, {config.get('speculative_num_draft_tokens', 'default')} nodes)" + extra
         return f"specdec {self.method}{draft}{gamma}{extra}{formats}"
 
 

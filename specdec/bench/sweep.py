@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import itertools
 import json
 import subprocess
 import sys
@@ -28,7 +29,7 @@ from specdec.bench.quality import QUALITY_DATASET
 from specdec.bench.report import publish
 from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
-METHODS = ("none", "draft_model", "ngram", "suffix", "medusa")
+METHODS = ("none", "draft_model", "ngram", "suffix", "medusa", "eagle")
 SCHEDULES = ("fixed", "adaptive", "heuristic")
 FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
 
@@ -69,6 +70,11 @@ def parser() -> argparse.ArgumentParser:
                         "or a JSON list of choice paths")
     p.add_argument("--acceptance-methods", nargs="+", default=["rejection_sampler"],
                    choices=["rejection_sampler", "typical_acceptance_sampler"], help="medusa's verification at T > 0")
+    p.add_argument("--eagle-layer", default=None,
+                   help="EAGLE draft layer directory (default: the layer `specdec train-heads` wrote for --model)")
+    p.add_argument("--dynamic-trees", nargs="+", default=["1"], metavar="TOPK[:NODES]",
+                   help="eagle's and draft_model's drafts: 1 = a chain, k = EAGLE-2's dynamic tree expanding k "
+                        "candidates per depth, k:n = with n nodes (default: the engine's)")
     p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
                    help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
     p.add_argument("--quality", action="store_true",
@@ -136,9 +142,9 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
                 heuristic = schedule == "heuristic"
                 if method == "draft_model":
                     for draft in args.draft:
-                        for draft_fmt in args.draft_formats:
+                        for draft_fmt, tree in itertools.product(args.draft_formats, args.dynamic_trees):
                             setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
-                                **config, "model": draft, "quantization": FORMATS[draft_fmt]}))
+                                **config, **_dynamic_tree(tree), "model": draft, "quantization": FORMATS[draft_fmt]}))
                 elif method == "medusa":
                     for tree in args.medusa_trees:
                         for acceptance in args.acceptance_methods:
@@ -148,6 +154,12 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
                             if acceptance != "rejection_sampler":
                                 medusa["acceptance_method"] = acceptance
                             setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=medusa))
+                elif method == "eagle":
+                    for tree in args.dynamic_trees:
+                        eagle = {**config, **_dynamic_tree(tree)}
+                        if args.eagle_layer:
+                            eagle["model"] = args.eagle_layer
+                        setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=eagle))
                 elif method == "ngram":
                     low, high = args.prompt_lookup
                     setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={
@@ -164,6 +176,14 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
         if "ngram" in args.methods:
             setups.append(EngineSetup(**peer, prompt_lookup_num_tokens=args.hf_lookup_tokens))
     return setups
+
+
+def _dynamic_tree(name: str) -> dict[str, int]:
+    """TOPK[:NODES] as speculative_config entries (none for a chain, the engine's default)."""
+    top_k, _, nodes = name.partition(":")
+    if int(top_k) == 1:
+        return {}
+    return {"speculative_eagle_topk": int(top_k), **({"speculative_num_draft_tokens": int(nodes)} if nodes else {})}
 
 
 def _medusa_tree(name: str, gamma: int) -> list[list[int]]:

@@ -59,6 +59,8 @@ class Engine:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self._seed_source = make_generator(config.seed)
+        # hidden states of the prompt chunks fed before a sequence's last one, for proposers that read them all
+        self._prefill_hidden: dict[Sequence, list[torch.Tensor]] = {}
 
     # --- requests ------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> list[Sequence]:
@@ -140,8 +142,10 @@ class Engine:
         for seq, seq_logits, tokens, fed in zip(running, logits, pending, inputs):
             seq.num_forwards += 1
             first_row, row = row, row + len(fed.token_ids)
-            if seq not in completing_set:
-                continue  # prompt still prefilling
+            if seq not in completing_set:  # prompt still prefilling
+                if self.proposer is not None and self.proposer.needs_hidden_states:
+                    self._prefill_hidden.setdefault(seq, []).append(output.hidden[first_row:row])
+                continue
             draft = drafts.get(seq, NO_DRAFT)
             cached = self.cache.length(seq.slot) - len(fed.token_ids)
             verified = _verify(seq, seq_logits, draft, self.tree_acceptance)
@@ -156,8 +160,9 @@ class Engine:
                 self.controller.observe(seq, draft.depth, len(verified.path))
                 seq.spec_stats.record(draft.depth, min(len(verified.path), kept), *draft.work, len(draft.tokens))
             if self.proposer is not None and self.proposer.needs_hidden_states:
-                hidden.append(output.hidden[[*range(first_row, first_row + len(tokens)),
-                                             *(first_row + len(tokens) + node for node in verified.path)]])
+                kept_rows = output.hidden[[*range(first_row, first_row + len(tokens)),
+                                           *(first_row + len(tokens) + node for node in verified.path)]]
+                hidden.append(torch.cat([*self._prefill_hidden.pop(seq, []), kept_rows]))
             ready.append(seq)
         verify_time = time.perf_counter() - start
         # decode steps only (each sequence fed its one sampled token): a prompt chunk's cost is not the choice's
@@ -217,7 +222,10 @@ class Engine:
                 depth = max(d for d in range(min(tree.max_depth, gammas[i]) + 1) if sizes[d] <= room[seq])
                 tree, kept = tree.pruned(self.controller.trim(seq, depth, sizes[: depth + 1]))
                 tokens = [tokens[node] for node in kept]
-            work = (0, 0) if draft.num_tokens_fed is None else (draft.num_tokens[i], draft.num_tokens_fed[i])
+            work = (0, 0)
+            if draft.num_tokens_fed is not None:
+                forwards = draft.num_tokens[i] if draft.num_forwards is None else draft.num_forwards[i]
+                work = (forwards, draft.num_tokens_fed[i])
             if tokens or work[0]:
                 drafts[seq] = StepDraft(tokens, q, work, tree if tokens else None)
         return drafts
@@ -238,6 +246,7 @@ class Engine:
             self.running.append(seq)
 
     def _release(self, seq: Sequence) -> None:
+        self._prefill_hidden.pop(seq, None)
         if seq.slot is not None:
             self.cache.free(seq.slot)
             seq.slot = None

@@ -27,7 +27,8 @@ def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig)
             f"draft model {name!r} has vocabulary size {draft.config.vocab_size}, the target "
             f"{target.config.vocab_size}: a draft must share the target's tokenizer"
         )
-    return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len, spec.draft_confidence_threshold)
+    return DraftModelProposer(draft, engine.max_num_seqs, engine.max_model_len, spec.draft_confidence_threshold,
+                              spec.speculative_eagle_topk, spec.speculative_num_draft_tokens)
 
 
 def _no_model(spec: SpeculativeConfig) -> None:
@@ -58,8 +59,7 @@ def _suffix(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
 def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
     from pathlib import Path
 
-    from specdec.models.loader import resolve_model_dir
-    from specdec.models.medusa import MedusaHeads, default_heads_dir, output_embedding
+    from specdec.models.medusa import MedusaHeads, default_heads_dir
     from specdec.spec.proposers.medusa import MedusaProposer
     from specdec.spec.tree import TokenTree
 
@@ -71,11 +71,7 @@ def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
     if heads.config.hidden_size != target.config.hidden_size:
         raise ValueError(f"the Medusa heads at {directory} read hidden size {heads.config.hidden_size}, the target "
                          f"has {target.config.hidden_size}: they were trained for another model")
-    if heads.vocab is None:
-        project = target.lm_head
-    else:  # the target's LM-head rows of the heads' vocabulary, in the target's own kernel
-        rows = output_embedding(target, resolve_model_dir(engine.model))[heads.vocab]
-        project = type(target.lm_head)(rows.to(target.dtype))
+    project = _output_layer(target, heads.vocab, engine)
     if spec.speculative_token_tree is not None:
         tree = TokenTree.from_choices(spec.speculative_token_tree)
     else:  # the default tree, as deep as the heads go
@@ -83,11 +79,42 @@ def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
     return MedusaProposer(heads, project, tree)
 
 
+def _eagle(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from pathlib import Path
+
+    from specdec.models.eagle import EagleDrafter, EagleLayer, default_eagle_dir
+    from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, linear_kernel, resolve_quantization
+    from specdec.spec.proposers.eagle import EagleProposer
+
+    directory = Path(spec.model) if spec.model else default_eagle_dir(engine.model)
+    if not directory.is_dir():
+        raise ValueError(f"no EAGLE draft layer at {directory}: train one with `specdec train-heads --method eagle "
+                         f"--model {engine.model}`, or name its directory as speculative_config['model']")
+    layer = EagleLayer.load(directory)
+    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, target.dtype, engine.device)
+    kernel = linear_kernel(target.dtype, engine.device, quantization)
+    drafter = EagleDrafter(layer, target, _output_layer(target, layer.vocab, engine), kernel, quantization or str(target.dtype))
+    return EagleProposer(drafter, engine.max_num_seqs, engine.max_model_len, spec.speculative_eagle_topk,
+                         spec.speculative_num_draft_tokens)
+
+
+def _output_layer(target: Decoder, vocab, engine: EngineConfig):
+    """The target's LM head, or its rows of a reduced vocabulary in the target's own kernel."""
+    from specdec.models.loader import resolve_model_dir
+    from specdec.models.medusa import output_embedding
+
+    if vocab is None:
+        return target.lm_head
+    rows = output_embedding(target, resolve_model_dir(engine.model))[vocab]
+    return type(target.lm_head)(rows.to(target.dtype))
+
+
 PROPOSERS: dict[str, Callable[[SpeculativeConfig, Decoder, EngineConfig], Proposer]] = {
     "draft_model": _draft_model,
     "ngram": _ngram,
     "suffix": _suffix,
     "medusa": _medusa,
+    "eagle": _eagle,
 }
 
 

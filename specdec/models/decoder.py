@@ -70,7 +70,7 @@ class DecoderConfig:
 
 @dataclass
 class LayerWeights:
-    input_norm: torch.Tensor
+    input_norm: torch.Tensor | None  # None: the layer reads its input unnormalized (EAGLE-1's draft layer)
     qkv: Linear
     o: Linear
     post_norm: torch.Tensor
@@ -99,7 +99,7 @@ class Decoder:
         config: DecoderConfig,
         embed: torch.Tensor,
         layers: list[LayerWeights],
-        final_norm: torch.Tensor,
+        final_norm: torch.Tensor | None,
         lm_head: Linear,
         inv_freq: torch.Tensor,
         attention_scaling: float = 1.0,
@@ -124,17 +124,18 @@ class Decoder:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, max_len, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache) -> ForwardOutput:
+    def forward(self, batch: ForwardBatch, cache: KVCache, inputs_embeds: torch.Tensor | None = None) -> ForwardOutput:
+        """`inputs_embeds` [T, hidden], where given, replaces the token embeddings (a draft layer's fused inputs)."""
         c = self.config
         for slot, n in zip(batch.slots, batch.num_new):
             cache.check_room(slot, n)
-        x = F.embedding(batch.token_ids.to(self.device), self.embed)
-        cos, sin = self._rope(batch.positions.to(self.device))
+        x = F.embedding(batch.token_ids.to(self.device), self.embed) if inputs_embeds is None else inputs_embeds
+        cos, sin = self.rope(batch.positions.to(self.device))
         masks = [self._row_masks(m, cached, n) for m, cached, n in zip(batch.masks, batch.cache_lens, batch.num_new)]
         layer_hidden: dict[int, torch.Tensor] = {}
         with self._attention_backends():
             for index, layer in enumerate(self.layers):
-                h = _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+                h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, c.rms_norm_eps)
                 x = x + layer.o(self._attention(layer.qkv(h), cos, sin, index, batch, masks, cache))
                 h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
@@ -143,7 +144,7 @@ class Decoder:
                     layer_hidden[index] = x
         for slot, n in zip(batch.slots, batch.num_new):
             cache.advance(slot, n)
-        hidden = _rms_norm(x, self.final_norm, c.rms_norm_eps)
+        hidden = x if self.final_norm is None else _rms_norm(x, self.final_norm, c.rms_norm_eps)
         rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows.to(self.device)]
         # logits go to the CPU, where sampling and verification run with per-request generators
         logits = self.lm_head(rows).float().cpu()
@@ -157,7 +158,8 @@ class Decoder:
             return contextlib.nullcontext()
         return sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
-    def _rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def rope(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin [T, head_dim] for position ids [T] (for `apply_rope`)."""
         freqs = positions[:, None].float() * self.inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
@@ -194,7 +196,7 @@ class Decoder:
         c = self.config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
         # q and k heads side by side get their rotation in one pass
-        qk = _apply_rope(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
+        qk = apply_rope(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
         q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
         v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
         group = c.num_heads // c.num_kv_heads
@@ -251,7 +253,8 @@ def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor
     return weight * x32.to(x.dtype)
 
 
-def _apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., T, heads, head_dim] rotated by `Decoder.rope`'s cos and sin [T, head_dim]."""
     half = x.shape[-1] // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos[:, None, :] + rotated * sin[:, None, :]

@@ -24,11 +24,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.models.loader import resolve_model_dir
-from specdec.models.medusa import MedusaConfig, MedusaHeads, output_embedding
-from specdec.training.data import CorpusConfig, frequent_tokens, load_shards, write_shards
-
-STATE_FILE = "train_state.pt"
+from specdec.models.medusa import MedusaConfig, MedusaHeads
+from specdec.training.data import CorpusConfig
+from specdec.training.run import TrainingRun, distillation_data
 
 
 @dataclass(frozen=True)
@@ -70,58 +68,40 @@ class _Positions:
         return self.hidden[rows], self.hidden[rows[:, None] + offsets]
 
 
-def train_medusa(llm: Any, out: Path, corpus: CorpusConfig, config: MedusaTrainingConfig) -> dict:
-    """Heads for `llm`'s target, written to `out`; returns the training report."""
+def train_medusa(llm: Any, out: Path, corpus: CorpusConfig, config: MedusaTrainingConfig, data: Path | None = None) -> dict:
+    """Heads for `llm`'s target, written to `out` (corpus shards in `data`, default out/data); returns the training
+    report."""
     target = llm.engine.model
-    shards = load_shards(write_shards(llm, out / "data", corpus))
-    held = max(1, round(len(shards) * config.held_out)) if config.held_out and len(shards) > 1 else 0
-    train, evaluation = _Positions(shards[: len(shards) - held], config.num_heads), _Positions(shards[len(shards) - held :], config.num_heads)
+    shards = distillation_data(llm, data or out / "data", corpus, config.vocab_size, config.held_out)
+    train, evaluation = _Positions(shards.train, config.num_heads), _Positions(shards.held_out, config.num_heads)
     if len(train.rows) == 0:
         raise ValueError("the corpus has no training positions: give more corpus_tokens")
-    vocab = None
-    if 0 < config.vocab_size < target.config.vocab_size:
-        vocab = frequent_tokens(shards[: len(shards) - held], config.vocab_size)
-    weight = output_embedding(target, resolve_model_dir(llm.config.model))
-    projection = weight if vocab is None else weight[vocab]  # [V', H], frozen
+    projection = shards.projection
 
     torch.manual_seed(config.seed)
     heads = MedusaHeads(MedusaConfig(config.num_heads, target.config.hidden_size, config.num_layers,
-                                     base_model=Path(llm.config.model).name), vocab)
-    optimizer = torch.optim.AdamW(heads.parameters(), lr=config.learning_rate, weight_decay=0.0)
+                                     base_model=Path(llm.config.model).name), shards.vocab)
     steps_per_epoch = math.ceil(len(train.rows) / config.batch_size)
-    schedule = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda step: 0.5 * (1 + math.cos(math.pi * min(1.0, step / (steps_per_epoch * config.epochs)))))
     report = {"settings": asdict(config), "corpus": asdict(corpus), "train_positions": len(train.rows),
               "held_out_positions": len(evaluation.rows), "epochs": []}
-    state_path, first_epoch = out / STATE_FILE, 0
-    if state_path.exists():
-        state = torch.load(state_path, weights_only=False)
-        if state["settings"] == report["settings"] and state["corpus"] == report["corpus"]:
-            heads.load_state_dict(state["heads"])
-            optimizer.load_state_dict(state["optimizer"])
-            schedule.load_state_dict(state["schedule"])
-            first_epoch, report = state["epoch"], state["report"]
-    if first_epoch == 0:
-        report["before"] = evaluate(heads, projection, evaluation if len(evaluation.rows) else train)
-    for epoch in range(first_epoch, config.epochs):
+    run = TrainingRun(out, heads, report, config.learning_rate, steps_per_epoch * config.epochs)
+    checked = evaluation if len(evaluation.rows) else train
+    if run.first_epoch == 0:
+        run.report["before"] = evaluate(heads, projection, checked)
+    for epoch in range(run.first_epoch, config.epochs):
         start = time.perf_counter()
         order = train.rows[torch.randperm(len(train.rows), generator=torch.Generator().manual_seed(config.seed + epoch))]
         total = 0.0
         bar = tqdm(order.split(config.batch_size), desc=f"medusa heads, epoch {epoch + 1}/{config.epochs}", unit="batch")
         for step, rows in enumerate(bar):
             loss = _loss(heads, projection, *train.batch(rows))
-            optimizer.zero_grad()
-            loss.backward()
-            optimizer.step()
-            schedule.step()
+            run.step(loss)
             total += float(loss.detach())
             if step % 20 == 0:
                 bar.set_postfix(loss=f"{total / (step + 1):.3f}")
-        report["epochs"].append({"train_loss": total / steps_per_epoch, "seconds": time.perf_counter() - start})
-        torch.save({"settings": report["settings"], "corpus": report["corpus"], "heads": heads.state_dict(),
-                    "optimizer": optimizer.state_dict(), "schedule": schedule.state_dict(), "epoch": epoch + 1,
-                    "report": report}, state_path)
-    report["after"] = evaluate(heads, projection, evaluation if len(evaluation.rows) else train)
+        run.end_epoch(epoch, {"train_loss": total / steps_per_epoch, "seconds": time.perf_counter() - start})
+    report = run.report
+    report["after"] = evaluate(heads, projection, checked)
     heads.save(out)
     (out / "training.json").write_text(json.dumps(report, indent=2) + "\n")
     return report

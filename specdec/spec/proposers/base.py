@@ -26,6 +26,8 @@ class Draft:
     # a draft model's work per sequence: one forward per proposed token, taking in this many tokens in all (its
     # first forward catches up on what it has not seen); None = no model ran
     num_tokens_fed: list[int] | None = None
+    # the draft forwards per sequence where they are not one per proposed token (a tree drafts a level per forward)
+    num_forwards: list[int] | None = None
     # per sequence, a token tree whose node j holds tokens[i, j] (then num_tokens[i] is its node count), or None
     # for a chain; tree drafts are deterministic candidates (q = None)
     trees: list[TokenTree | None] | None = None
@@ -58,8 +60,8 @@ class Proposer(Protocol):
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         """Called after verification appended the accepted tokens: roll back what was rejected. Where the
         proposer needs them, `hidden[i]` holds the target's final hidden states [k, hidden_size] of the tokens
-        seqs[i] fed and kept this step (its pending tokens, then the accepted drafts): the last one's LM-head
-        output gave the token the next step starts from."""
+        seqs[i] fed and kept since the last call (its prompt chunks or pending tokens, then the accepted drafts):
+        the last one's LM-head output gave the token the next step starts from."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: drop its state."""

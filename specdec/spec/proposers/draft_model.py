@@ -8,6 +8,10 @@ After verification it rolls back to the longest prefix that the sequence still a
 A row stops drafting after a token the draft itself gives less than `confidence_threshold`
 (HF's `assistant_confidence_threshold`): past an unlikely token, further drafts are mostly
 rejected, and each costs a draft forward.
+
+With `top_k` > 1 the draft proposes EAGLE-2-style dynamic token trees instead (SGLang's standalone
+speculation, with the same knobs): per depth its top_k most confident candidates are expanded in one
+draft forward, and its `num_draft_tokens` most confident candidates are verified.
 """
 
 from __future__ import annotations
@@ -20,22 +24,29 @@ from specdec.engine.sequence import Sequence
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
 from specdec.sampling import processed_probs, sample
+from specdec.spec.draft_tree import DraftTreeSearch
 from specdec.spec.proposers.base import Draft
+from specdec.spec.proposers.tree_growth import grow_trees, tree_draft
 
 
 class DraftModelProposer:
     needs_hidden_states = False
 
-    def __init__(self, model: Decoder, max_num_seqs: int, max_model_len: int, confidence_threshold: float = 0.0) -> None:
+    def __init__(self, model: Decoder, max_num_seqs: int, max_model_len: int, confidence_threshold: float = 0.0,
+                 top_k: int = 1, num_draft_tokens: int = 8) -> None:
         self.model = model
         self.confidence_threshold = confidence_threshold
-        self.cache = model.new_kv_cache(max_num_seqs, max_model_len)
+        self.top_k, self.num_draft_tokens = top_k, num_draft_tokens
+        # a tree's drafting writes top_k rows per depth (at most 64) behind the sequence
+        self.cache = model.new_kv_cache(max_num_seqs, max_model_len + (64 * top_k if top_k > 1 else 0))
         self._slots: dict[Sequence, int] = {}
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
         gamma_max = max(num_tokens, default=0)
         if gamma_max == 0:
             return Draft.empty(len(seqs))
+        if self.top_k > 1:
+            return self._propose_trees(seqs, num_tokens)
         tokens = torch.zeros(len(seqs), gamma_max, dtype=torch.long)
         active = [i for i, n in enumerate(num_tokens) if n > 0]
         # q is only read when verifying sampled rows; greedy rows verify by argmax match
@@ -69,6 +80,19 @@ class DraftModelProposer:
                     q[i, step] = probs[k]
         fed = [catch_up[i] + n - 1 if n else 0 for i, n in enumerate(drafted)]  # one forward per drafted token
         return Draft(tokens, drafted, q, num_tokens_fed=fed)
+
+    def _propose_trees(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
+        """Dynamic token trees (spec/draft_tree.py) as deep as each γ: the draft's top_k most confident candidates
+        expanded per depth, its num_draft_tokens most confident verified; deterministic candidates (q = None)."""
+        rows = [i for i, n in enumerate(num_tokens) if n > 0]
+        feed = [self._unseen_tokens(seqs[i]) for i in rows]
+        slots = [self._slots[seqs[i]] for i in rows]
+        inputs = [SequenceInput(slot, tokens, num_logits=1) for slot, tokens in zip(slots, feed)]
+        out = self.model.forward(ForwardBatch.build(inputs, [self.cache.length(s) for s in slots]), self.cache)
+        last_rows = torch.tensor([len(tokens) for tokens in feed]).cumsum(0) - 1
+        searches = [DraftTreeSearch(self.top_k, num_tokens[i], self.num_draft_tokens) for i in rows]
+        forwards = grow_trees(self.model, self.cache, slots, searches, out.logits, out.hidden[last_rows], lambda ids: ids)
+        return tree_draft(len(seqs), rows, searches, forwards, [len(tokens) for tokens in feed], chain=False)
 
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:

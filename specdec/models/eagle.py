@@ -1,0 +1,222 @@
+"""EAGLE's draft network (Li et al. 2024, arXiv:2401.15077): one decoder layer over the target's features.
+
+At position t the draft reads f_t, the target's final hidden state there (its LM head turns it into
+token t + 1), and the embedding of token t + 1: x_t = FC(concat(embed(token t + 1), f_t)), then one
+Llama-style decoder layer (no input norm, as EAGLE-1's first layer) gives f̂_{t+1}, a guess of the
+target's next feature; the target's own LM head on f̂_{t+1} gives the draft's distribution of token
+t + 2. Deeper drafts feed f̂ back in place of f (feature-level autoregression). The embedding and the
+LM head are the target's, frozen; the LM head may be cut to a reduced vocabulary (`vocab`: the most
+frequent token ids of the training corpus), whose cost otherwise dominates a draft step on a CPU.
+
+`EagleLayer` is the trainable module; `EagleDrafter` runs it with the engine's kernels and KV cache
+(a one-layer `Decoder` fed `inputs_embeds`). Checkpoint: a directory with `config.json` (Hugging
+Face keys, as the official EAGLE checkpoints have) and `model.safetensors` with the official names
+(`fc.weight`, `layers.0.self_attn.q_proj.weight`, …, `layers.0.post_attention_layernorm.weight`);
+an official EAGLE-1/2 checkpoint (`pytorch_model.bin` or `model.safetensors`) loads for a Llama or
+Qwen2 target: which biases and norms exist is read from the weights' names.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from specdec.models import zoo
+from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, apply_rope
+from specdec.models.linear import Linear, LinearKernel
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+ORIGINAL_WEIGHTS_FILE = "pytorch_model.bin"
+PREFIX = "layers.0."
+
+
+@dataclass(frozen=True)
+class EagleConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    fc_bias: bool = True  # EAGLE-1's FC has a bias
+    attention_bias: bool = False  # q/k/v biases (Qwen2-style draft layers have them)
+    input_norm: bool = False  # EAGLE-1's layer reads the FC output unnormalized
+    base_model: str = ""  # the target it was trained on (a check, not a path)
+
+    def __post_init__(self) -> None:
+        for name in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"an EAGLE layer needs {name} >= 1, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def for_target(cls, target: DecoderConfig, intermediate_size: int | None = None, base_model: str = "") -> "EagleConfig":
+        """The target's attention shape; the MLP as wide as the target's unless `intermediate_size` says."""
+        return cls(target.hidden_size, intermediate_size or target.intermediate_size, target.num_heads, target.num_kv_heads,
+                   target.head_dim, target.rms_norm_eps, base_model=base_model)
+
+    def to_hf(self) -> dict:
+        return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": self.hidden_size,
+                "intermediate_size": self.intermediate_size, "num_attention_heads": self.num_heads,
+                "num_key_value_heads": self.num_kv_heads, "head_dim": self.head_dim, "rms_norm_eps": self.rms_norm_eps,
+                "num_hidden_layers": 1, "bias": self.fc_bias, "base_model": self.base_model}
+
+
+class EagleLayer(torch.nn.Module):
+    """FC + one decoder layer, trainable; `forward` runs whole sequences causally (training, reference)."""
+
+    def __init__(self, config: EagleConfig, vocab: torch.Tensor | None = None) -> None:
+        super().__init__()
+        self.config = c = config
+        h, q, kv = c.hidden_size, c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
+        self.fc = torch.nn.Linear(2 * h, h, bias=c.fc_bias)
+        self.q_proj = torch.nn.Linear(h, q, bias=c.attention_bias)
+        self.k_proj = torch.nn.Linear(h, kv, bias=c.attention_bias)
+        self.v_proj = torch.nn.Linear(h, kv, bias=c.attention_bias)
+        self.o_proj = torch.nn.Linear(q, h, bias=False)
+        self.gate_proj = torch.nn.Linear(h, c.intermediate_size, bias=False)
+        self.up_proj = torch.nn.Linear(h, c.intermediate_size, bias=False)
+        self.down_proj = torch.nn.Linear(c.intermediate_size, h, bias=False)
+        self.post_norm = torch.nn.Parameter(torch.ones(h))
+        self.input_norm = torch.nn.Parameter(torch.ones(h)) if c.input_norm else None
+        self.register_buffer("vocab", None if vocab is None else vocab.long(), persistent=False)
+
+    def forward(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """embeds, features [B, T, H] (token t + 1's embedding and f_t at row t); cos/sin [T, head_dim] → f̂ [B, T, H]."""
+        c = self.config
+        x = self.fc(torch.cat((embeds, features), dim=-1))
+        h = x if self.input_norm is None else F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+        b, t, _ = h.shape
+        q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
+        h = F.rms_norm(x, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    # --- checkpoint: the official EAGLE names ---------------------------------------------------------------
+    def official_parameters(self) -> dict[str, torch.nn.Parameter]:
+        """The parameters under the official EAGLE checkpoint's names."""
+        names = {"fc": "fc", "q_proj": PREFIX + "self_attn.q_proj", "k_proj": PREFIX + "self_attn.k_proj",
+                 "v_proj": PREFIX + "self_attn.v_proj", "o_proj": PREFIX + "self_attn.o_proj",
+                 "gate_proj": PREFIX + "mlp.gate_proj", "up_proj": PREFIX + "mlp.up_proj", "down_proj": PREFIX + "mlp.down_proj"}
+        params = {}
+        for attr, name in names.items():
+            module = getattr(self, attr)
+            params[name + ".weight"] = module.weight
+            if module.bias is not None:
+                params[name + ".bias"] = module.bias
+        params[PREFIX + "post_attention_layernorm.weight"] = self.post_norm
+        if self.input_norm is not None:
+            params[PREFIX + "input_layernorm.weight"] = self.input_norm
+        return params
+
+    def save(self, directory: Path) -> None:
+        from safetensors.torch import save_file
+
+        directory.mkdir(parents=True, exist_ok=True)
+        tensors = {name: p.detach().contiguous() for name, p in self.official_parameters().items()}
+        if self.vocab is not None:
+            tensors["vocab"] = self.vocab.contiguous()
+        save_file(tensors, str(directory / WEIGHTS_FILE))
+        (directory / CONFIG_FILE).write_text(json.dumps(self.config.to_hf(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, directory: Path) -> "EagleLayer":
+        directory = Path(directory)
+        if not (directory / CONFIG_FILE).is_file():
+            raise ValueError(f"{directory} holds no EAGLE draft layer ({CONFIG_FILE} missing)")
+        raw = json.loads((directory / CONFIG_FILE).read_text())
+        tensors = _read_weights(directory)
+        if "fc.weight" not in tensors or PREFIX + "self_attn.q_proj.weight" not in tensors:
+            raise ValueError(f"{directory}: not an EAGLE-1/2 draft layer (no fc.weight / {PREFIX}self_attn.q_proj.weight)")
+        hidden = raw["hidden_size"]
+        heads = raw["num_attention_heads"]
+        config = EagleConfig(
+            hidden_size=hidden, intermediate_size=raw["intermediate_size"], num_heads=heads,
+            num_kv_heads=raw.get("num_key_value_heads") or heads, head_dim=raw.get("head_dim") or hidden // heads,
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6), fc_bias="fc.bias" in tensors,
+            attention_bias=PREFIX + "self_attn.q_proj.bias" in tensors,
+            input_norm=PREFIX + "input_layernorm.weight" in tensors, base_model=raw.get("base_model", ""))
+        layer = cls(config, tensors.get("vocab"))
+        with torch.no_grad():
+            for name, parameter in layer.official_parameters().items():
+                if tensors[name].shape != parameter.shape:
+                    raise ValueError(f"{directory}: {name} is {tuple(tensors[name].shape)}, expected {tuple(parameter.shape)}")
+                parameter.copy_(tensors[name])
+        return layer
+
+
+def _read_weights(directory: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    if (directory / WEIGHTS_FILE).is_file():
+        return load_file(str(directory / WEIGHTS_FILE))
+    if (directory / ORIGINAL_WEIGHTS_FILE).is_file():
+        return torch.load(directory / ORIGINAL_WEIGHTS_FILE, map_location="cpu", weights_only=True)
+    raise ValueError(f"{directory} holds no EAGLE weights ({WEIGHTS_FILE} or {ORIGINAL_WEIGHTS_FILE})")
+
+
+class EagleDrafter:
+    """The draft layer in the engine's kernels: a one-layer `Decoder` (its own KV cache, tree masks, measured cost
+    curve) that takes the FC's output as its input embeddings and ends at the (reduced) LM head, unnormalized."""
+
+    def __init__(self, layer: EagleLayer, target: Decoder, project: Linear, kernel: LinearKernel, weight_format: str) -> None:
+        c = layer.config
+        if c.hidden_size != target.config.hidden_size:
+            raise ValueError(f"the EAGLE layer reads hidden size {c.hidden_size}, the target has {target.config.hidden_size}: "
+                             "it was trained for another model")
+        self.vocab = layer.vocab
+        self.embed = target.embed
+        dtype, device = target.dtype, target.device
+
+        def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
+            return kernel(weight.detach().to(device, dtype).contiguous(), None if bias is None else bias.detach().to(device, dtype))
+
+        h = c.hidden_size
+        # FC(concat(e, f)) = W_e·e + W_f·f + b as two products: an int8 kernel quantizes each row with one scale, and
+        # token embeddings are ~100× smaller than the target's features
+        self.fc_embed = linear(layer.fc.weight[:, :h], layer.fc.bias)
+        self.fc_feature = linear(layer.fc.weight[:, h:])
+        qkv_bias = None
+        if c.attention_bias:
+            qkv_bias = torch.cat([layer.q_proj.bias, layer.k_proj.bias, layer.v_proj.bias])
+        weights = LayerWeights(
+            input_norm=None if layer.input_norm is None else layer.input_norm.detach().to(device, dtype),
+            qkv=linear(torch.cat([layer.q_proj.weight, layer.k_proj.weight, layer.v_proj.weight]), qkv_bias),
+            o=linear(layer.o_proj.weight),
+            post_norm=layer.post_norm.detach().to(device, dtype),
+            gate_up=linear(torch.cat([layer.gate_proj.weight, layer.up_proj.weight])),
+            down=linear(layer.down_proj.weight),
+        )
+        config = dataclasses.replace(
+            target.config, vocab_size=project.out_features, intermediate_size=c.intermediate_size, num_layers=1,
+            num_heads=c.num_heads, num_kv_heads=c.num_kv_heads, head_dim=c.head_dim, rms_norm_eps=c.rms_norm_eps,
+            attention_bias=c.attention_bias, mlp_bias=False, tie_word_embeddings=False)
+        name = f"eagle-{h}x{c.intermediate_size}-v{project.out_features}-{weight_format}"
+        self.decoder = Decoder(config, target.embed, [weights], None, project, target.inv_freq,
+                               target.attention_scaling, name=name)
+
+    def inputs(self, token_ids: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+        """x_t = FC(concat(embed(token t + 1), f_t)) for token ids [T] and features [T, H]."""
+        embeds = F.embedding(token_ids.to(self.embed.device), self.embed)
+        return self.fc_embed(embeds) + self.fc_feature(features.to(embeds.dtype))
+
+    def token_ids(self, indices: torch.Tensor) -> torch.Tensor:
+        """Rows of the draft's logits → token ids (the reduced vocabulary's, where it has one)."""
+        return indices if self.vocab is None else self.vocab[indices]
+
+
+def default_eagle_dir(model: str) -> Path:
+    """Where `specdec train-heads --method eagle --model M` puts M's draft layer by default, and where it is looked
+    for when `speculative_config` names none: `$SPECDEC_CACHE/heads/eagle/<M's name>`."""
+    return zoo.cache_dir() / "heads" / "eagle" / Path(model).name
