@@ -111,7 +111,7 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("--num-heads", type=int, default=4, help="medusa: heads")
     train.add_argument("--num-layers", type=int, default=1, help="medusa: residual blocks per head")
     train.add_argument("--intermediate-size", type=int, default=None,
-                       help="eagle: the draft layer's MLP width (default: the target's)")
+                       help="eagle: the draft layer's MLP width (default 2048; 0: the target's)")
     train.add_argument("--token-weight", type=float, default=None,
                        help="eagle: the token loss's weight beside the feature loss (default 1.0; EAGLE's is 0.1)")
     train.add_argument("--vocab-size", type=int, default=32_768,
@@ -158,7 +158,9 @@ def _train_heads(args: argparse.Namespace) -> int:
             given["batch_chunks"] = given.pop("batch_size")
         if args.token_weight is not None:
             given["token_weight"] = args.token_weight
-        config = EagleTrainingConfig(args.intermediate_size, args.vocab_size, **given)
+        if args.intermediate_size is not None:
+            given["intermediate_size"] = args.intermediate_size or None
+        config = EagleTrainingConfig(vocab_size=args.vocab_size, **given)
         out = Path(args.out) if args.out else default_eagle_dir(args.model)
     llm = LLM(args.model, quantization=_format(args.quantization))
     data = Path(args.data) if args.data else None

@@ -91,17 +91,46 @@ class EagleLayer(torch.nn.Module):
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """embeds, features [B, T, H] (token t + 1's embedding and f_t at row t); cos/sin [T, head_dim] → f̂ [B, T, H]."""
+        return self.unrolled(embeds, features, cos, sin, 1)[0]
+
+    def unrolled(self, embeds: torch.Tensor, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                 steps: int) -> list[torch.Tensor]:
+        """EAGLE-3's training-time test: the layer drafting `steps` deep on its own outputs, every row at once.
+
+        Step s's row t sits at position t + s and reads token t + s + 1's embedding (`embeds` shifted by s) with step
+        s − 1's output at row t (step 0: the target's f_t); it attends to step 0's rows ≤ t (real features) and to
+        row t of steps 1 … s, exactly what a depth-(s + 1) draft after position t sees. cos/sin cover positions
+        0 … T + steps − 2. Returns each step's output [B, T, H]: step s's row t guesses f_{t+s+1}."""
         c = self.config
-        x = self.fc(torch.cat((embeds, features), dim=-1))
-        h = x if self.input_norm is None else F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
-        b, t, _ = h.shape
-        q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
-        h = F.rms_norm(x, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        b, t, _ = embeds.shape
+        group = c.num_heads // c.num_kv_heads
+        outputs, keys, values = [], [], []
+        hidden = features
+        for step in range(steps):
+            shifted = embeds if step == 0 else F.pad(embeds[:, step:], (0, 0, 0, step))
+            x = self.fc(torch.cat((shifted, hidden), dim=-1))
+            h = x if self.input_norm is None else F.rms_norm(x, (c.hidden_size,), self.input_norm, c.rms_norm_eps)
+            rope = cos[step : step + t], sin[step : step + t]
+            q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), *rope).transpose(1, 2)
+            k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), *rope).transpose(1, 2)
+            v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+            keys.append(k.repeat_interleave(group, dim=1))
+            values.append(v.repeat_interleave(group, dim=1))
+            if step == 0:
+                attention = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
+            else:
+                scale = c.head_dim**-0.5
+                prefix = (q @ keys[0].transpose(-1, -2)) * scale
+                prefix = prefix.masked_fill(~torch.ones(t, t, dtype=torch.bool).tril(), float("-inf"))
+                own = torch.stack([(q * key).sum(-1) * scale for key in keys[1:]], dim=-1)  # [B, heads, T, step]
+                weights = torch.cat((prefix, own), dim=-1).softmax(-1)
+                attention = weights[..., :t] @ values[0]
+                attention = attention + sum(weights[..., t + u, None] * value for u, value in enumerate(values[1:]))
+            x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
+            h = F.rms_norm(x, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
+            hidden = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+            outputs.append(hidden)
+        return outputs
 
     # --- checkpoint: the official EAGLE names ---------------------------------------------------------------
     def official_parameters(self) -> dict[str, torch.nn.Parameter]:
