@@ -63,8 +63,8 @@ def _parser() -> argparse.ArgumentParser:
                      help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24; medusa: its "
                           "token tree's depth; eagle: 4)")
     gen.add_argument("--eagle-topk", type=int, default=None,
-                     help="eagle: candidates expanded per depth (1: a chain, default; > 1: EAGLE-2's dynamic tree)")
-    gen.add_argument("--num-draft-tokens", type=int, default=None, help="eagle: the dynamic tree's nodes (default 8)")
+                     help="eagle, draft_model: candidates expanded per depth (1: a chain, default; > 1: EAGLE-2's dynamic tree)")
+    gen.add_argument("--num-draft-tokens", type=int, default=None, help="eagle, draft_model: the dynamic tree's nodes (default 8)")
     gen.add_argument("--no-adaptive", action="store_true",
                      help="draft γ tokens every step instead of letting the engine choose γ from measured acceptance and cost")
     gen.add_argument("--draft-confidence-threshold", type=float, default=None,
