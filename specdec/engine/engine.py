@@ -162,7 +162,8 @@ class Engine:
             if self.proposer is not None and self.proposer.needs_hidden_states:
                 kept_rows = output.hidden[[*range(first_row, first_row + len(tokens)),
                                            *(first_row + len(tokens) + node for node in verified.path)]]
-                hidden.append(torch.cat([*self._prefill_hidden.pop(seq, []), kept_rows]))
+                earlier = self._prefill_hidden.pop(seq, None)  # only a prompt's last chunk has any
+                hidden.append(kept_rows if earlier is None else torch.cat([*earlier, kept_rows]))
             ready.append(seq)
         verify_time = time.perf_counter() - start
         # decode steps only (each sequence fed its one sampled token): a prompt chunk's cost is not the choice's

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+from pathlib import Path
 from collections.abc import Callable
 
 from specdec.config import DEFAULT_MEDUSA_TREE, EngineConfig, SpeculativeConfig
@@ -57,16 +58,11 @@ def _suffix(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
 
 
 def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
-    from pathlib import Path
-
     from specdec.models.medusa import MedusaHeads, default_heads_dir
     from specdec.spec.proposers.medusa import MedusaProposer
     from specdec.spec.tree import TokenTree
 
-    directory = Path(spec.model) if spec.model else default_heads_dir(engine.model)
-    if not directory.is_dir():
-        raise ValueError(f"no Medusa heads at {directory}: train them with `specdec train-heads --method medusa "
-                         f"--model {engine.model}`, or name a heads directory as speculative_config['model']")
+    directory = _heads_dir(spec, engine, default_heads_dir, "Medusa heads")
     heads = MedusaHeads.load(directory)
     if heads.config.hidden_size != target.config.hidden_size:
         raise ValueError(f"the Medusa heads at {directory} read hidden size {heads.config.hidden_size}, the target "
@@ -80,22 +76,26 @@ def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
 
 
 def _eagle(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
-    from pathlib import Path
-
     from specdec.models.eagle import EagleDrafter, EagleLayer, default_eagle_dir
     from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, linear_kernel, resolve_quantization
     from specdec.spec.proposers.eagle import EagleProposer
 
-    directory = Path(spec.model) if spec.model else default_eagle_dir(engine.model)
-    if not directory.is_dir():
-        raise ValueError(f"no EAGLE draft layer at {directory}: train one with `specdec train-heads --method eagle "
-                         f"--model {engine.model}`, or name its directory as speculative_config['model']")
+    directory = _heads_dir(spec, engine, default_eagle_dir, "EAGLE draft layer")
     layer = EagleLayer.load(directory)
     quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, target.dtype, engine.device)
     kernel = linear_kernel(target.dtype, engine.device, quantization)
     drafter = EagleDrafter(layer, target, _output_layer(target, layer.vocab, engine), kernel, quantization or str(target.dtype))
     return EagleProposer(drafter, engine.max_num_seqs, engine.max_model_len, spec.speculative_eagle_topk,
                          spec.speculative_num_draft_tokens)
+
+
+def _heads_dir(spec: SpeculativeConfig, engine: EngineConfig, default: Callable[[str], Path], what: str) -> Path:
+    """speculative_config['model'], or where `specdec train-heads` puts the target's; refused where it is missing."""
+    directory = Path(spec.model) if spec.model else default(engine.model)
+    if not directory.is_dir():
+        raise ValueError(f"no {what} at {directory}: train with `specdec train-heads --method {spec.method} --model "
+                         f"{engine.model}`, or name a directory as speculative_config['model']")
+    return directory
 
 
 def _output_layer(target: Decoder, vocab, engine: EngineConfig):
