@@ -51,20 +51,20 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                      help="weight format of the model: auto (default: int8 on CPU), none (float weights) or int8")
-    # plain by default until adaptive γ holds all its gates (issue 7: within 5% of the best fixed γ is not met yet)
-    gen.add_argument("--method", default="none",
-                     help="speculation method: none (default), auto (draft_model with the embedded 0.5B draft for the "
-                          "embedded target, none for other models), draft_model, ngram (prompt lookup), suffix, "
-                          "medusa or eagle (heads / draft layer from `specdec train-heads`)")
+    gen.add_argument("--method", default="auto",
+                     help="speculation method: auto (default: draft_model with the embedded 0.5B draft for the "
+                          "embedded target, or with --draft; none for other models), none (plain decoding), "
+                          "draft_model, ngram (prompt lookup), suffix, medusa, eagle, eagle3 or mtp (heads / draft layer / modules from "
+                          "`specdec train-heads`)")
     gen.add_argument("--draft", default=None, help=f"draft model for --method draft_model (default {zoo.DEFAULT_DRAFT_MODEL}); "
-                                                    "medusa, eagle: a heads / layer directory (default: the target's "
+                                                    "medusa, eagle, eagle3, mtp: a heads / layer / modules directory (default: the target's "
                                                     "trained ones)")
     gen.add_argument("--num-speculative-tokens", type=int, default=None,
                      help="γ: the most tokens a step drafts (default 8; suffix: its tree depth, 24; medusa: its "
-                          "token tree's depth; eagle: 4)")
+                          "token tree's depth; eagle, eagle3: 4; mtp: 1)")
     gen.add_argument("--eagle-topk", type=int, default=None,
-                     help="eagle, draft_model: candidates expanded per depth (1: a chain, default; > 1: EAGLE-2's dynamic tree)")
-    gen.add_argument("--num-draft-tokens", type=int, default=None, help="eagle, draft_model: the dynamic tree's nodes (default 8)")
+                     help="eagle, eagle3, draft_model: candidates expanded per depth (1: a chain, default; > 1: EAGLE-2's dynamic tree)")
+    gen.add_argument("--num-draft-tokens", type=int, default=None, help="eagle, eagle3, draft_model: the dynamic tree's nodes (default 8)")
     gen.add_argument("--no-adaptive", action="store_true",
                      help="draft γ tokens every step instead of letting the engine choose γ from measured acceptance and cost")
     gen.add_argument("--draft-confidence-threshold", type=float, default=None,
@@ -78,9 +78,10 @@ def _parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible HTTP server (vLLM's flags)")
     serve.add_argument("model", nargs="?", default=zoo.DEFAULT_MODEL, help="embedded name, HF directory or .gguf file")
-    serve.add_argument("--speculative-config", default=None,
-                       help='vLLM\'s JSON, e.g. \'{"method": "draft_model", "model": "qwen2.5-coder-0.5b", '
-                            '"num_speculative_tokens": 8}\' (default: no speculation)')
+    serve.add_argument("--speculative-config", default="auto",
+                       help='vLLM\'s JSON, e.g. \'{"method": "ngram", "num_speculative_tokens": 8}\'; auto (default): '
+                            f'the embedded {zoo.DEFAULT_DRAFT_MODEL} drafts for the embedded target with adaptive γ ≤ '
+                            f'{DEFAULT_MAX_GAMMA}, no speculation for other models; none: no speculation')
     serve.add_argument("--host", default="127.0.0.1", help="default 127.0.0.1: only this machine can connect")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument("--api-key", default=None, help="required as 'Authorization: Bearer KEY' on /v1 routes "
@@ -102,26 +103,26 @@ def _parser() -> argparse.ArgumentParser:
     models_list.set_defaults(run=_models_list)
 
     train = commands.add_parser("train-heads", help="train draft heads for a target by self-distillation (CPU)")
-    train.add_argument("--method", choices=["medusa", "eagle"], required=True)
+    train.add_argument("--method", choices=["medusa", "eagle", "eagle3", "mtp"], required=True)
     train.add_argument("--model", default=zoo.DEFAULT_MODEL, help="the target: embedded name, HF directory or .gguf file")
     train.add_argument("--out", default=None, help="heads directory (default: $SPECDEC_CACHE/heads/<method>/<model>, "
                                                     "where speculative_config finds them without 'model')")
     train.add_argument("--data", default=None, help="directory of the corpus's target hidden states, shared between "
                                                     "methods (default: OUT/data)")
-    train.add_argument("--num-heads", type=int, default=4, help="medusa: heads")
+    train.add_argument("--num-heads", type=int, default=None, help="medusa: heads (default 4); mtp: modules (default 2)")
     train.add_argument("--num-layers", type=int, default=1, help="medusa: residual blocks per head")
     train.add_argument("--intermediate-size", type=int, default=None,
-                       help="eagle: the draft layer's MLP width (default 2048; 0: the target's)")
+                       help="eagle, eagle3, mtp: the draft layer's (each module's) MLP width (default 2048; 0: the target's)")
     train.add_argument("--token-weight", type=float, default=None,
                        help="eagle: the token loss's weight beside the feature loss (default 1.0; EAGLE's is 0.1)")
     train.add_argument("--vocab-size", type=int, default=32_768,
                        help="the heads' output vocabulary: the corpus's most frequent tokens (0: all)")
     train.add_argument("--corpus-tokens", type=int, default=60_000, help="tokens of standard-library source")
     train.add_argument("--generated-tokens", type=int, default=4_096, help="tokens the target generates itself")
-    train.add_argument("--epochs", type=int, default=None, help="default: medusa 2, eagle 4")
+    train.add_argument("--epochs", type=int, default=None, help="default: medusa 2, eagle / eagle3 / mtp 4")
     train.add_argument("--batch-size", type=int, default=None,
-                       help="positions per step (medusa, default 128) or corpus chunks per step (eagle, default 1)")
-    train.add_argument("--lr", type=float, default=None, help="learning rate (medusa 1e-3, eagle 5e-4)")
+                       help="positions per step (medusa, default 128) or corpus chunks per step (eagle, eagle3, default 1)")
+    train.add_argument("--lr", type=float, default=None, help="learning rate (medusa 1e-3, eagle / eagle3 / mtp 5e-4)")
     train.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
                        help="the target's weight format while it reads the corpus (use the one you serve)")
     train.set_defaults(run=_train_heads)
@@ -142,32 +143,48 @@ def _train_heads(args: argparse.Namespace) -> int:
 
     from specdec import LLM
     from specdec.models.eagle import default_eagle_dir
+    from specdec.models.eagle3 import default_eagle3_dir
     from specdec.models.medusa import default_heads_dir
+    from specdec.models.mtp import default_mtp_dir
     from specdec.training.data import CorpusConfig
     from specdec.training.eagle import EagleTrainingConfig, train_eagle
     from specdec.training.medusa import MedusaTrainingConfig, train_medusa
+    from specdec.training.mtp import MtpTrainingConfig, train_mtp
 
     corpus = CorpusConfig(args.corpus_tokens, args.generated_tokens)
     given = {name: value for name, value in (("batch_size", args.batch_size), ("learning_rate", args.lr),
                                              ("epochs", args.epochs)) if value is not None}
-    if args.method == "medusa":
-        config = MedusaTrainingConfig(args.num_heads, args.num_layers, args.vocab_size, **given)
-        out = Path(args.out) if args.out else default_heads_dir(args.model)
-    else:
+    if args.method != "medusa":  # a draft layer per module: batches of corpus chunks, an MLP width
         if "batch_size" in given:
             given["batch_chunks"] = given.pop("batch_size")
-        if args.token_weight is not None:
-            given["token_weight"] = args.token_weight
         if args.intermediate_size is not None:
             given["intermediate_size"] = args.intermediate_size or None
-        config = EagleTrainingConfig(vocab_size=args.vocab_size, **given)
-        out = Path(args.out) if args.out else default_eagle_dir(args.model)
+    if args.method == "medusa":
+        config = MedusaTrainingConfig(args.num_heads or 4, args.num_layers, args.vocab_size, **given)
+        out, train = Path(args.out) if args.out else default_heads_dir(args.model), train_medusa
+    elif args.method == "mtp":
+        config = MtpTrainingConfig(args.num_heads or 2, vocab_size=args.vocab_size, **given)
+        out, train = Path(args.out) if args.out else default_mtp_dir(args.model), train_mtp
+    else:
+        if args.token_weight is not None:
+            given["token_weight"] = args.token_weight
+        eagle3 = args.method == "eagle3"
+        config = EagleTrainingConfig(vocab_size=args.vocab_size, eagle3=eagle3, **given)
+        out = Path(args.out) if args.out else (default_eagle3_dir if eagle3 else default_eagle_dir)(args.model)
+        train = train_eagle
     llm = LLM(args.model, quantization=_format(args.quantization))
     data = Path(args.data) if args.data else None
-    report = (train_medusa(llm, out, corpus, config, data) if args.method == "medusa"
-              else train_eagle(llm, out, corpus, config, data))
+    report = train(llm, out, corpus, config, data)
     print(json.dumps({"heads": str(out), "before": report["before"], "after": report["after"]}, indent=2))
     return 0
+
+
+def auto_speculative_config(model: str) -> dict | None:
+    """The default: the embedded target speculates with the embedded 0.5B draft and adaptive γ (never slower than
+    plain decoding in the bench, BENCHMARKS.md); another model has no known draft and decodes plain."""
+    if model != zoo.DEFAULT_MODEL:
+        return None
+    return {"method": "draft_model", "model": zoo.DEFAULT_DRAFT_MODEL, "num_speculative_tokens": DEFAULT_MAX_GAMMA}
 
 
 def _generate(args: argparse.Namespace) -> int:
@@ -189,10 +206,10 @@ def _generate(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     speculative_config = None
     method = args.method
-    if method == "auto":  # the embedded pair speculates; another model has no known draft
-        method = "draft_model" if args.draft is not None or args.model == zoo.DEFAULT_MODEL else "none"
+    if method == "auto":
+        method = "draft_model" if args.draft is not None or auto_speculative_config(args.model) else "none"
     if method != "none":
-        gamma = args.num_speculative_tokens or (None if method in ("suffix", "medusa", "eagle") else DEFAULT_MAX_GAMMA)
+        gamma = args.num_speculative_tokens or (None if method in ("suffix", "medusa", "eagle", "eagle3", "mtp") else DEFAULT_MAX_GAMMA)
         speculative_config = {"method": method, "num_speculative_tokens": gamma, "adaptive": not args.no_adaptive,
                               "model": args.draft, "quantization": _format(args.draft_quantization),
                               "prompt_lookup_min": args.prompt_lookup_min, "prompt_lookup_max": args.prompt_lookup_max}
@@ -251,10 +268,14 @@ def _serve(args: argparse.Namespace) -> int:
     from specdec import LLM
     from specdec.server.app import GracefulServer, build_app
 
-    try:
-        speculative_config = None if args.speculative_config is None else json.loads(args.speculative_config)
-    except json.JSONDecodeError as error:
-        raise ValueError(f"--speculative-config is not valid JSON: {error}") from None
+    speculative_config = None
+    if args.speculative_config == "auto":
+        speculative_config = auto_speculative_config(args.model)
+    elif args.speculative_config != "none":
+        try:
+            speculative_config = json.loads(args.speculative_config)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--speculative-config is not valid JSON, auto or none: {error}") from None
     llm = LLM(args.model, speculative_config=speculative_config, dtype=args.dtype,
               quantization=_format(args.quantization), max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
               max_num_batched_tokens=args.max_num_batched_tokens, seed=args.seed)

@@ -137,6 +137,11 @@ class SpeculativeConfig:
       vLLM's EAGLE does; k > 1 grows EAGLE-2's dynamic tree, expanding the k most confident candidates per
       depth), `speculative_num_draft_tokens` (the tree's nodes, default `DEFAULT_EAGLE_DRAFT_TOKENS`),
       `speculative_num_steps` (an alias of num_speculative_tokens, the depth; default `DEFAULT_EAGLE_DEPTH`).
+    - `eagle3`: as `eagle`, with an EAGLE-3 layer (`specdec train-heads --method eagle3`, or an official EAGLE-3
+      checkpoint), which reads three of the target's layers and has its own head over a draft vocabulary.
+    - `mtp`: `model`, a directory of multi-token prediction modules (`specdec train-heads --method mtp`; default:
+      the target checkpoint's own `model.mtp_layers.*` where it has them, else the modules trained for it under
+      the cache dir); module k drafts the k-th token, so num_speculative_tokens (default 1) ≤ the modules.
       `draft_model` takes the same tree knobs (SGLang's standalone speculation): top-k > 1 drafts dynamic trees.
     Tree drafts (Medusa, EAGLE) at temperature > 0: `acceptance_method` "rejection_sampler" (lossless, default) or
     "typical_acceptance_sampler" (Medusa's, lossy: a candidate x passes where p(x) > min(ε, δ·exp(−H(p))),
@@ -182,8 +187,10 @@ class SpeculativeConfig:
             object.__setattr__(self, "num_speculative_tokens", self.speculative_num_steps)
         _check(_is_count(self.speculative_eagle_topk, 1, 16),
                f"speculative_eagle_topk must be an integer in [1, 16], got {self.speculative_eagle_topk!r}")
-        if self.method == "eagle" and self.num_speculative_tokens is None:
+        if self.method in ("eagle", "eagle3") and self.num_speculative_tokens is None:
             object.__setattr__(self, "num_speculative_tokens", DEFAULT_EAGLE_DEPTH)
+        if self.method == "mtp" and self.num_speculative_tokens is None:
+            object.__setattr__(self, "num_speculative_tokens", 1)  # DeepSeek-V3 drafts with its one module
         if self.num_speculative_tokens is None and self.method == "medusa":
             tree = self.speculative_token_tree or DEFAULT_MEDUSA_TREE
             object.__setattr__(self, "num_speculative_tokens", max(map(len, tree)))

@@ -84,7 +84,8 @@ class LLM:
         if spec is not None and spec.adaptive:
             # measured once per machine (tens of seconds for the 1.5B and its draft), then read from the cache
             draft_curve = None if proposer.model is None else cached_cost_curve(proposer.model, zoo.cache_dir())
-            controller = AdaptiveGamma(StepCosts(cached_cost_curve(decoder, zoo.cache_dir()), draft_curve))
+            costs = StepCosts(cached_cost_curve(decoder, zoo.cache_dir()), draft_curve)
+            controller = AdaptiveGamma(costs, stratified=proposer.stratified)
         self.engine = Engine(
             decoder,
             self.tokenizer,

@@ -2,8 +2,11 @@
 
 `processed_probs` applies each row's SamplingParams (temperature → top-k → top-p → min-p);
 a greedy row becomes a one-hot at its argmax, so verification treats greedy and sampled
-rows alike. Each row draws with its own request's generator, so a seeded request gives
-the same tokens whatever else is in the batch.
+rows alike. Each row draws with its own request's randomness, so a seeded request gives
+the same tokens whatever else is in the batch: a token the target samples itself (a plain
+step, or verifying a deterministic draft) from the uniform of its position
+(`position_uniform`), so also whatever γ or lookup drafted it; a draft model's tokens and
+their rejection sampling from the request's generator.
 """
 
 from __future__ import annotations
@@ -83,16 +86,21 @@ DRAW_BLOCK = 1024
 
 
 def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """Index i with probability probs[i] / Σ probs (probs [V] ≥ 0, not all 0), by inverse CDF in float64: one
-    uniform, a cumulative sum over block sums, then one inside the chosen block. ~0.04 ms for 152k tokens
-    where torch.multinomial takes ~2.3 ms (it was ~7% of a decoding step)."""
+    """Index i with probability probs[i] / Σ probs (probs [V] ≥ 0, not all 0), from the generator's next uniform."""
+    return draw_at(probs, float(torch.rand((), generator=generator, dtype=torch.float64)))
+
+
+def draw_at(probs: torch.Tensor, uniform: float) -> int:
+    """The index where `uniform` ∈ [0, 1) falls in probs' CDF (inverse CDF in float64: a cumulative sum over block
+    sums, then one inside the chosen block), so i with probability probs[i] / Σ probs for a uniform draw. ~0.04 ms
+    for 152k tokens where torch.multinomial takes ~2.3 ms (it was ~7% of a decoding step)."""
     n = probs.shape[0]
     full = n - n % DRAW_BLOCK
     sums = probs[:full].view(-1, DRAW_BLOCK).sum(1, dtype=torch.float64)
     if full < n:
         sums = torch.cat([sums, probs[full:].sum(dtype=torch.float64)[None]])
     cdf = sums.cumsum(0)
-    target = torch.rand((), generator=generator, dtype=torch.float64) * cdf[-1]
+    target = uniform * cdf[-1]
     # right=True: the first cumulative sum above the target, so zero-probability entries are never chosen
     block = min(int(torch.searchsorted(cdf, target, right=True)), len(cdf) - 1)
     start = block * DRAW_BLOCK
@@ -103,6 +111,23 @@ def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     if index == len(within):  # the block's own sum rounded a hair above its cumulative sum: its last nonzero entry
         index = int(torch.nonzero(probs[start : start + DRAW_BLOCK])[-1])
     return start + index
+
+
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def position_uniform(seed: int, position: int) -> float:
+    """A uniform in [0, 1) fixed by (seed, position), independent across both (splitmix64's finalizer, whose
+    outputs for consecutive inputs pass BigCrush): the draw of a sequence's token at `position`, whichever step
+    samples it."""
+    return (_splitmix64(_splitmix64(seed & _MASK64) + position) >> 11) / float(1 << 53)
 
 
 def make_generator(seed: int) -> torch.Generator:

@@ -259,6 +259,70 @@ def test_thin_evidence_is_worth_trying():
     assert controller.choose(longer, 8) == 0
 
 
+def run_strata(controller, strata, steps: int, seed: int = 0) -> tuple[list[int], float]:
+    """Lookups whose stratum (drawn from `strata`: stratum → (weight, acceptance per position)) predicts
+    acceptance, through choose → trim → observe; returns the γ verified per step and tokens per modeled ms ÷
+    plain decoding's."""
+    rng = random.Random(seed)
+    seq = sequence()
+    costs = controller.costs if isinstance(controller, AdaptiveGamma) else StepCosts(INT8_TARGET)
+    chosen, tokens, ms = [], 0, 0.0
+    for _ in range(steps):
+        stratum = rng.choices(list(strata), [w for w, _ in strata.values()])[0]
+        accept = strata[stratum][1]
+        gamma = controller.trim(seq, controller.choose(seq, 8), stratum=stratum)
+        accepted = 0
+        while accepted < gamma and rng.random() < accept:
+            accepted += 1
+        controller.observe(seq, gamma, accepted)
+        seq.output_token_ids.extend([1] * (accepted + 1))
+        chosen.append(gamma)
+        tokens += accepted + 1
+        ms += costs.verify_ms(gamma + 1, 128)
+    controller.release(seq)
+    return chosen, tokens / ms * costs.verify_ms(1, 128)
+
+
+class FixedLookup:
+    """γ fixed, for `run_strata`."""
+
+    def __init__(self, gamma: int) -> None:
+        self.gamma = gamma
+
+    def choose(self, seq, gamma_max, batch_size=1):
+        return self.gamma
+
+    def trim(self, seq, num_drafted, sizes=None, stratum=None):
+        return num_drafted
+
+    def observe(self, seq, num_drafted, num_accepted):
+        pass
+
+    def release(self, seq):
+        pass
+
+
+def test_strata_choose_how_much_of_a_lookup_to_verify():
+    """A 5-token match copies (α 0.95), a 2-token coincidence does not (α 0.2), 30/70 of the lookups: pooled
+    acceptance says plain decoding (or little) where the stratum says verify 8. Stratified, the controller
+    verifies long matches deep and skips short ones, and beats every fixed γ and the unstratified controller."""
+    strata = {5: (0.3, 0.95), 2: (0.7, 0.2)}
+    costs = StepCosts(INT8_TARGET)
+    controller = AdaptiveGamma(costs, stratified=True)
+    chosen, speed = run_strata(controller, strata, 400)
+    assert controller.stratum_priors[5] > 0.8 > 0.3 > controller.stratum_priors[2]
+    seq = sequence()
+    assert controller.choose(seq, 8) == 8  # a lookup costs nothing: draft the most, then trim by stratum
+    assert controller.trim(seq, 8, stratum=5) >= 6 and controller.trim(seq, 8, stratum=2) <= 1
+    pooled = run_strata(AdaptiveGamma(costs), strata, 400)[1]
+    fixed = max(run_strata(FixedLookup(g), strata, 400)[1] for g in range(9))
+    assert speed > 1.1 * max(pooled, fixed)
+    assert min(run_strata(AdaptiveGamma(costs, stratified=True), {2: (1.0, 0.05)}, 400, seed)[1]
+               for seed in range(3)) >= 0.97  # one stratum, rejected: plain steps and a few probes
+    with pytest.raises(ValueError, match="lookups"):
+        AdaptiveGamma(StepCosts(INT8_TARGET, INT8_DRAFT), stratified=True)
+
+
 def test_estimate_discounts_old_evidence():
     estimate = AcceptanceEstimate(decay=0.5, prior_weight=1.0)
     for _ in range(20):
@@ -287,8 +351,9 @@ def test_heuristic_schedule_is_hfs():
 def cheap_speculation(llm: LLM) -> AdaptiveGamma:
     """A controller priced so speculation pays on tiny models (whose draft costs as much as the target), without
     step-time calibration (whose choices would follow this machine's timing)."""
-    draft = curve(lambda k: 1.0) if llm.engine.proposer.model is not None else None
-    return AdaptiveGamma(StepCosts(FLAT, draft), calibration_weight=0.0)
+    proposer = llm.engine.proposer
+    draft = curve(lambda k: 1.0) if proposer.model is not None else None
+    return AdaptiveGamma(StepCosts(FLAT, draft), calibration_weight=0.0, stratified=proposer.stratified)
 
 
 @pytest.mark.parametrize("config", [

@@ -94,7 +94,7 @@ def test_generate_with_int8_weights_for_target_and_draft(tiny_qwen, tiny_qwen_dr
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["serve", "--speculative-config", "{not json"], "--speculative-config is not valid JSON"),
+    (["serve", "--speculative-config", "{not json"], "--speculative-config is not valid JSON, auto or none"),
     (["serve", "no-such-model"], "unknown model 'no-such-model'"),
     (["serve", "--speculative-config", '{"method": "draft_model"}'], "num_speculative_tokens"),
 ])

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from conftest import NUM_SAMPLES, chi_square_pvalue, exact_first_two, sampled_first_two
+from test_adaptive import cheap_speculation
 from specdec import LLM, SamplingParams
 
 PROMPTS = ["abc abc abc abc", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "x"]
@@ -31,9 +32,10 @@ def test_greedy_output_is_token_identical_to_plain(name, gamma, adaptive, tiny_q
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3,
               speculative_config={**CONFIGS[name], "num_speculative_tokens": gamma, "adaptive": adaptive})
     if adaptive:
-        # a tiny model's steps are mostly Python overhead, which step-time calibration would learn and (rightly)
-        # decode plain for, depending on the machine's timing; this test needs drafts accepted and rejected
-        llm.engine.controller.calibration_weight = 0.0
+        # a tiny model's steps are mostly Python overhead, which its measured cost curve and step-time calibration
+        # would price (rightly: decode plain) depending on the machine's timing; this test needs drafts accepted
+        # and rejected, so the controller gets verification priced as on a GPU
+        llm.engine.controller = cheap_speculation(llm)
     outputs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=60, ignore_eos=True))
     assert [o.outputs[0].token_ids for o in outputs] == plain_greedy
     stats = [o.metrics.speculative_decoding for o in outputs]
@@ -98,3 +100,25 @@ def test_vllm_defaults():
     only_max = SpeculativeConfig("ngram", 3, prompt_lookup_max=4)
     assert (only_max.prompt_lookup_min, only_max.prompt_lookup_max) == (4, 4)
     assert SpeculativeConfig("suffix").num_speculative_tokens == 24  # γ defaults to the tree depth
+
+
+@pytest.mark.parametrize("name", ["ngram-1-3", "suffix"])
+def test_seeded_sampling_gives_plain_decodings_text_whatever_the_lookup_drafts(name, tiny_qwen):
+    """At temperature > 0 the target draws each position's token from a uniform fixed by the seed and the position
+    (spec/verifier.py): a seeded request's text is plain decoding's, token for token, for every γ and schedule —
+    and adaptive γ is compared with fixed γ on the same text."""
+    params = SamplingParams(temperature=0.5, top_k=8, max_tokens=60, ignore_eos=True, seed=11)
+    plain = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3)
+    expected = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    accepted = rejected = 0
+    for gamma, adaptive in [(1, False), (3, False), (8, False), (8, True)]:
+        llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3,
+                  speculative_config={**CONFIGS[name], "num_speculative_tokens": gamma, "adaptive": adaptive})
+        if adaptive:
+            llm.engine.controller = cheap_speculation(llm)  # as in the greedy test: drafts, whatever the timing
+        outputs = llm.generate(PROMPTS, params, use_tqdm=False)
+        assert [o.outputs[0].token_ids for o in outputs] == expected, (gamma, adaptive)
+        stats = [o.metrics.speculative_decoding for o in outputs]
+        accepted += sum(s["num_accepted_tokens"] for s in stats)
+        rejected += sum(s["num_draft_tokens"] - s["num_accepted_tokens"] for s in stats)
+    assert accepted > 5 and rejected > 20, (accepted, rejected)  # drafts were accepted and rejected

@@ -50,15 +50,15 @@ def test_adaptive_speculation_matches_plain_on_the_1_5b():
         assert out.metrics.num_target_forwards < len(out.outputs[0].token_ids) / 2, name
 
 
-def test_generate_auto_speculates_with_the_embedded_pair(capsys):
-    """`specdec generate PROMPT --method auto`: the 0.5B drafts for the 1.5B with adaptive γ, and the greedy
-    text is plain decoding's (the default)."""
+def test_generate_speculates_by_default_with_the_embedded_pair(capsys):
+    """`specdec generate PROMPT` (the README's first command): the 0.5B drafts for the 1.5B with adaptive γ by
+    default, and the greedy text is plain decoding's (`--method none`)."""
     from specdec.cli import main
 
     args = ["generate", "def quicksort(arr):", "--max-tokens", "48", "--json"]
-    assert main(args + ["--method", "auto"]) == 0
-    speculative = json.loads(capsys.readouterr().out)
     assert main(args) == 0
+    speculative = json.loads(capsys.readouterr().out)
+    assert main(args + ["--method", "none"]) == 0
     plain = json.loads(capsys.readouterr().out)
     assert speculative["token_ids"] == plain["token_ids"]
     sd = speculative["metrics"]["speculative_decoding"]

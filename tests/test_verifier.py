@@ -8,7 +8,8 @@ from scipy.stats import chisquare
 
 from specdec.metrics import SpecStats, alpha_from_mean_length, expected_length
 from specdec.spec import verifier
-from specdec.spec.verifier import Verified, greedy_match, rejection_sample
+from specdec.sampling import position_uniform
+from specdec.spec.verifier import Verified, greedy_match, rejection_sample, sample_match
 
 V, N = 8, 20_000
 # A p-value below this would be a real mismatch: the chance that a correct verifier fails one
@@ -84,6 +85,44 @@ def test_power_resampling_from_p_instead_of_the_residual_is_caught(deterministic
     monkeypatch.setattr(verifier, "_residual", lambda p_i, q_i, x: p_i)
     first, _ = token_pvalues(run_chain(rejection_sample, p, q, deterministic), p)
     assert first < 1e-12
+
+
+def coupled(p, drafts, num_draft, q, generators, seed: int = 7, same_uniform: bool = False) -> Verified:
+    """sample_match in run_chain's shape: row r draws position j from position_uniform(seed + r, j)."""
+    assert q is None
+    uniforms = [[position_uniform(seed * 1_000_003 + r, 0 if same_uniform else j) for j in range(n + 1)]
+                for r, n in enumerate(num_draft)]
+    return sample_match(p, drafts, num_draft, uniforms)
+
+
+@pytest.mark.parametrize("gamma", [1, 3])
+def test_coupled_verification_emits_exactly_p(gamma):
+    p, q = synthetic(gamma, seed=10 + gamma)
+    tokens = run_chain(coupled, p, q, deterministic=True)
+    first, second = token_pvalues(tokens, p)
+    assert first > P_MIN and second > P_MIN
+    accepted = sum(len(t) > 1 for t in tokens) / N  # the first draft (argmax q) accepted with probability p(x)
+    p_x = float(p[0, q[0].argmax()])
+    assert abs(accepted - p_x) < 4 * (p_x * (1 - p_x) / N) ** 0.5
+
+
+def test_power_one_uniform_for_every_position_is_caught():
+    """The uniforms must be independent across positions: reusing one correlates the second token with the first."""
+    p, q = synthetic(2, seed=12)
+    p[1] = p[0]  # the same p twice: with one uniform, an accepted first draft forces the second token
+    _, second = token_pvalues(run_chain(lambda *a: coupled(*a, same_uniform=True), p, q, deterministic=True), p)
+    assert second < 1e-12
+
+
+def test_position_uniforms_are_uniform_and_independent():
+    from scipy.stats import kstest
+
+    grid = torch.tensor([[position_uniform(seed, position) for position in range(100)] for seed in range(200)],
+                        dtype=torch.float64)
+    assert kstest(grid.flatten().numpy(), "uniform").pvalue > P_MIN
+    for a, b in [(grid[:, :-1], grid[:, 1:]), (grid[:-1], grid[1:])]:  # neighbouring positions, neighbouring seeds
+        correlation = torch.corrcoef(torch.stack([a.flatten(), b.flatten()]))[0, 1]
+        assert abs(float(correlation)) < 4 / grid[:, 1:].numel() ** 0.5
 
 
 def test_acceptance_rate_is_sum_of_min_p_q():

@@ -161,7 +161,7 @@ class _SpecdecEngine:
         if self.setup.heuristic_schedule:
             engine.controller = HeuristicSchedule(self.setup.gamma)
         elif isinstance(engine.controller, AdaptiveGamma):
-            engine.controller = AdaptiveGamma(engine.controller.costs)
+            engine.controller = AdaptiveGamma(engine.controller.costs, stratified=engine.controller.stratified)
 
     def generate(self, ids: list[int], workload: Workload, seed: int) -> dict[str, Any]:
         from specdec import SamplingParams

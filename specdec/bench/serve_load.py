@@ -73,10 +73,11 @@ class _Server:
         args = self.args
         command = [sys.executable, "-m", "specdec.cli", "serve", args.model, "--port", str(self.port),
                    "--max-num-seqs", str(max(args.concurrency)), "--served-model-name", "bench"]
+        config = "none"
         if self.mode != "off":
-            config = {"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.gamma,
-                      "adaptive": self.mode == "adaptive"}
-            command += ["--speculative-config", json.dumps(config)]
+            config = json.dumps({"method": "draft_model", "model": args.draft, "num_speculative_tokens": args.gamma,
+                                 "adaptive": self.mode == "adaptive"})
+        command += ["--speculative-config", config]
         env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
         self.process = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         import httpx

@@ -29,7 +29,7 @@ from specdec.bench.quality import QUALITY_DATASET
 from specdec.bench.report import publish
 from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
-METHODS = ("none", "draft_model", "ngram", "suffix", "medusa", "eagle")
+METHODS = ("none", "draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3", "mtp")
 SCHEDULES = ("fixed", "adaptive", "heuristic")
 FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
 
@@ -72,8 +72,12 @@ def parser() -> argparse.ArgumentParser:
                    choices=["rejection_sampler", "typical_acceptance_sampler"], help="medusa's verification at T > 0")
     p.add_argument("--eagle-layer", default=None,
                    help="EAGLE draft layer directory (default: the layer `specdec train-heads` wrote for --model)")
+    p.add_argument("--eagle3-layer", default=None,
+                   help="EAGLE-3 draft layer directory (default: the layer `specdec train-heads` wrote for --model)")
+    p.add_argument("--mtp-modules", default=None,
+                   help="MTP modules directory (default: the target's own, else those `specdec train-heads` wrote)")
     p.add_argument("--dynamic-trees", nargs="+", default=["1"], metavar="TOPK[:NODES]",
-                   help="eagle's and draft_model's drafts: 1 = a chain, k = EAGLE-2's dynamic tree expanding k "
+                   help="eagle's, eagle3's and draft_model's drafts: 1 = a chain, k = EAGLE-2's dynamic tree expanding k "
                         "candidates per depth, k:n = with n nodes (default: the engine's)")
     p.add_argument("--prompt-lookup", type=int, nargs=2, default=[2, 5], metavar=("MIN", "MAX"),
                    help="ngram's prompt_lookup_min and _max (the engine's default, vLLM's, is 5 and 5)")
@@ -154,12 +158,14 @@ def engine_setups(args: argparse.Namespace) -> list[EngineSetup]:
                             if acceptance != "rejection_sampler":
                                 medusa["acceptance_method"] = acceptance
                             setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=medusa))
-                elif method == "eagle":
+                elif method in ("eagle", "eagle3"):
+                    layer = args.eagle_layer if method == "eagle" else args.eagle3_layer
                     for tree in args.dynamic_trees:
-                        eagle = {**config, **_dynamic_tree(tree)}
-                        if args.eagle_layer:
-                            eagle["model"] = args.eagle_layer
+                        eagle = {**config, **_dynamic_tree(tree), **({"model": layer} if layer else {})}
                         setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=eagle))
+                elif method == "mtp":
+                    mtp = {**config, **({"model": args.mtp_modules} if args.mtp_modules else {})}
+                    setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config=mtp))
                 elif method == "ngram":
                     low, high = args.prompt_lookup
                     setups.append(EngineSetup(**common, heuristic_schedule=heuristic, speculative_config={

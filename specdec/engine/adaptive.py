@@ -31,6 +31,14 @@ catch-up is paid only if the rest of the request, at the speculative rate, wins 
 what a try teaches the requests to come as well made a fresh engine pay a long prompt's catch-up in
 every request of a low-acceptance workload: 0.86× plain on 500-token prompts at T = 1.5.)
 
+A lookup proposer (n-gram, suffix) classes each draft by its own evidence for it (`Draft.strata`: the
+n-gram's match length, suffix decoding's expected accepted tokens): a 5-token match of an edit's source
+is accepted ~90% of the time, a 2-token coincidence at T = 1.5 under half. Lookups cost nothing, so
+with `stratified` the controller asks for γ_max every step and `trim` chooses how much to verify from
+the acceptance of that stratum (a Beta posterior per stratum, shrunk towards what the engine learned of
+the stratum in finished requests, else towards the sequence's pooled estimate), at the rate the pooled
+choice promised: plain decoding's where it said γ = 0.
+
 While γ = 0 nothing is observed, so the controller also probes with γ = 1 once the plain steps
 of all sequences have earned it: probing spends at most `probe_budget` of the plain time, whatever a
 probe costs (for a draft model, its catch-up over every token it skipped: on a CPU about what 50 plain steps earn, so a
@@ -54,9 +62,9 @@ class GammaController(Protocol):
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         """γ for this step's draft, 0 ≤ γ ≤ gamma_max; `batch_size` sequences decode in this step's forward."""
 
-    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None, stratum: int | None = None) -> int:
         """How many of the drafted tokens to verify; for a tree drafted `num_drafted` deep, how deep, `sizes[d]`
-        being its node count down to depth d."""
+        being its node count down to depth d; `stratum`: the draft's class (`Draft.strata`), if it has one."""
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         """The step verified num_drafted tokens (0: a plain step) and accepted num_accepted."""
@@ -74,7 +82,7 @@ class FixedGamma:
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return gamma_max
 
-    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None, stratum: int | None = None) -> int:
         return num_drafted
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -98,7 +106,7 @@ class HeuristicSchedule:
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         return min(self.gamma, gamma_max)
 
-    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None, stratum: int | None = None) -> int:
         return num_drafted
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
@@ -214,6 +222,10 @@ class _SequenceState:
     drafted: int = 0  # γ asked of the proposer this step
     modeled_ms: float = 0.0  # this sequence's share of the step, by the cost curves alone (uncalibrated)
     probing: bool = False  # this step is a probe
+    may_probe: bool = False  # a stratified step whose pooled choice was plain: `trim` may keep one token as a probe
+    probe_cost: float = 0.0  # what that probe would cost beyond a plain step
+    strata: dict[int, AcceptanceEstimate] = field(default_factory=dict)  # per stratum of the lookup's drafts
+    stratum: int | None = None  # this step's draft's
     expected: list[float] = field(default_factory=list)  # this step's E[tokens](γ), γ = 0..γ_max
     verify_ms: list[float] = field(default_factory=list)  # this step's verify cost of γ + 1 tokens
 
@@ -232,8 +244,13 @@ class AdaptiveGamma:
         min_evidence: float = 3.0,
         max_prior_weight: float = 4.0,
         calibration_weight: float = 0.1,
+        stratified: bool = False,
     ) -> None:
+        if stratified and costs.draft is not None:
+            raise ValueError("stratified drafting is for lookups, whose drafts cost nothing")
         self.costs = costs
+        self.stratified = stratified
+        self.stratum_priors: dict[int, float] = {}  # a_1 per stratum, learned from finished sequences like `prior`
         self.decay = decay
         self.probe_budget = probe_budget
         self.horizon = horizon
@@ -257,6 +274,7 @@ class AdaptiveGamma:
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
         state = self._state(seq)
         state.probing, state.rate, state.batch_size, state.context = False, 0.0, batch_size, seq.num_tokens
+        state.may_probe, state.stratum = False, None
         state.drafted = self._choose(state, seq, gamma_max)
         state.modeled_ms = self._modeled_ms(state, state.drafted)
         return state.drafted
@@ -285,6 +303,9 @@ class AdaptiveGamma:
                 best = 0
         elif best > 0 and catch_up > 0 and remaining * (times[0] - 1 / ratios[best]) < catch_up:
             best = 0  # the rest of the request, at the speculative rate, would not win the catch-up back
+        if self.stratified:  # the draft's stratum decides in `trim`, priced at the pooled choice's rate
+            state.rate, state.may_probe, state.probe_cost = ratios[best], best == 0, times[1] - times[0]
+            return gamma_max
         if best == 0:
             # what a one-token probe costs beyond a plain step if its draft is rejected (priced at the worst:
             # an estimate shrunk towards the prior overstates acceptance exactly where probes are wasted)
@@ -296,7 +317,7 @@ class AdaptiveGamma:
         state.rate = ratios[best]
         return best
 
-    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None) -> int:
+    def trim(self, seq: Sequence, num_drafted: int, sizes: Seq[int] | None = None, stratum: int | None = None) -> int:
         state = self._state(seq)
         if num_drafted == 0:
             if self.costs.draft is None:  # a lookup that found nothing: the step is a plain one, and timed as one
@@ -306,8 +327,17 @@ class AdaptiveGamma:
             sizes, verify_ms = range(num_drafted + 1), state.verify_ms
         else:
             verify_ms = [self._verify_ms(state, sizes[k]) for k in range(num_drafted + 1)]
-        gains = [state.expected[k] - state.rate * verify_ms[k] for k in range(num_drafted + 1)]
+        expected = state.expected
+        if self.stratified and stratum is not None:
+            state.stratum = stratum
+            expected = expected_tokens(self._stratum_rates(state, stratum, num_drafted))
+        gains = [expected[k] - state.rate * verify_ms[k] for k in range(num_drafted + 1)]
         kept = max(range(num_drafted + 1), key=gains.__getitem__)
+        if kept == 0 and state.may_probe and self.probe_credit_ms >= state.probe_cost:
+            self.probe_credit_ms -= state.probe_cost
+            state.probing, kept = True, 1
+        if kept == 0 and self.costs.draft is None:  # a free draft trimmed away: a plain step, timed as one
+            state.drafted = 0
         state.modeled_ms = self._modeled_ms(state, num_drafted, sizes[kept])
         return kept
 
@@ -349,6 +379,11 @@ class AdaptiveGamma:
             state.estimate.forget(0.5)
         state.unseen = 1
         state.estimate.observe(num_drafted, num_accepted)
+        if state.stratum is not None:
+            stratum = state.strata.get(state.stratum)
+            if stratum is None:
+                stratum = state.strata[state.stratum] = AcceptanceEstimate(self.decay, self.prior_weight)
+            stratum.observe(num_drafted, num_accepted)
 
     def release(self, seq: Sequence) -> None:
         state = self._states.pop(seq, None)
@@ -357,6 +392,10 @@ class AdaptiveGamma:
         [final] = self._rates(state, 1)
         self.prior = (1 - self.request_weight) * self.prior + self.request_weight * final
         self.prior_weight = min(self.max_prior_weight, self.prior_weight + 1)
+        for stratum in state.strata:
+            [final] = self._stratum_rates(state, stratum, 1)
+            before = self.stratum_priors.get(stratum, final)
+            self.stratum_priors[stratum] = (1 - self.request_weight) * before + self.request_weight * final
 
     def _worth_trying(
         self, state: _SequenceState, per_draft: float, verify_ms: list[float], remaining: int, catch_up: float
@@ -380,6 +419,15 @@ class AdaptiveGamma:
 
     def _rates(self, state: _SequenceState, depth: int) -> list[float]:
         return state.estimate.rates(depth, self.prior)
+
+    def _stratum_rates(self, state: _SequenceState, stratum: int, depth: int) -> list[float]:
+        """a_1..a_depth of the stratum's drafts: its evidence, shrunk towards what finished sequences showed of
+        the stratum, or (a stratum the engine has not seen finish) towards this sequence's pooled a_1."""
+        prior = self.stratum_priors.get(stratum)
+        if prior is None:
+            [prior] = self._rates(state, 1)
+        estimate = state.strata.get(stratum) or AcceptanceEstimate(self.decay, self.prior_weight)
+        return estimate.rates(depth, prior)
 
 
 def _ms_saved_per_token(alpha: float, per_draft: float, verify_ms: list[float]) -> float:

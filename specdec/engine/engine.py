@@ -31,6 +31,7 @@ from specdec.spec.verifier import (
     TreeVerified,
     greedy_match,
     rejection_sample,
+    sample_match,
     tree_greedy_match,
     tree_rejection_sample,
 )
@@ -86,7 +87,7 @@ class Engine:
                 seed = params.seed + index
             else:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_source))
-            seq = Sequence(request_id, index, prompt, params, make_generator(seed))
+            seq = Sequence(request_id, index, prompt, params, make_generator(seed), seed)
             seq.spec_stats = SpecStats() if self.proposer is not None else None
             seq.logprobs = [] if params.logprobs is not None else None
             start_detokenizer(seq)
@@ -132,9 +133,12 @@ class Engine:
 
         start = time.perf_counter()
         inputs = [_forward_input(s, self.cache.length(s.slot), tokens, drafts.get(s)) for s, tokens in zip(running, pending)]
-        batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running])
+        layers = () if self.proposer is None else self.proposer.feature_layers
+        batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running], hidden_layers=layers)
         output = self.model.forward(batch, self.cache)
         logits = output.logits.split([i.num_logits for i in inputs])
+        # what a proposer reads of the target: its final hidden states, or those layers' outputs side by side
+        features = torch.cat([output.layer_hidden[i] for i in layers], dim=-1) if layers else output.hidden
 
         ready, hidden = [], []
         completing_set = set(completing)
@@ -144,7 +148,7 @@ class Engine:
             first_row, row = row, row + len(fed.token_ids)
             if seq not in completing_set:  # prompt still prefilling
                 if self.proposer is not None and self.proposer.needs_hidden_states:
-                    self._prefill_hidden.setdefault(seq, []).append(output.hidden[first_row:row])
+                    self._prefill_hidden.setdefault(seq, []).append(features[first_row:row])
                 continue
             draft = drafts.get(seq, NO_DRAFT)
             cached = self.cache.length(seq.slot) - len(fed.token_ids)
@@ -160,7 +164,7 @@ class Engine:
                 self.controller.observe(seq, draft.depth, len(verified.path))
                 seq.spec_stats.record(draft.depth, min(len(verified.path), kept), *draft.work, len(draft.tokens))
             if self.proposer is not None and self.proposer.needs_hidden_states:
-                kept_rows = output.hidden[[*range(first_row, first_row + len(tokens)),
+                kept_rows = features[[*range(first_row, first_row + len(tokens)),
                                            *(first_row + len(tokens) + node for node in verified.path)]]
                 earlier = self._prefill_hidden.pop(seq, None)  # only a prompt's last chunk has any
                 hidden.append(kept_rows if earlier is None else torch.cat([*earlier, kept_rows]))
@@ -213,15 +217,16 @@ class Engine:
         for i, seq in enumerate(seqs):
             tokens = draft.tokens[i, : draft.num_tokens[i]].tolist()
             tree = None if draft.trees is None else draft.trees[i]
+            stratum = None if draft.strata is None else draft.strata[i]
             q = None
             if tree is None:
-                n = self.controller.trim(seq, min(len(tokens), gammas[i]))
+                n = self.controller.trim(seq, min(len(tokens), gammas[i]), stratum=stratum)
                 tokens, q = tokens[:n], None if draft.q is None else draft.q[i, :n]
             else:
                 # the deepest levels whose expected tokens are worth their rows; a tree's rows must fit the room too
                 sizes = tree.sizes()
                 depth = max(d for d in range(min(tree.max_depth, gammas[i]) + 1) if sizes[d] <= room[seq])
-                tree, kept = tree.pruned(self.controller.trim(seq, depth, sizes[: depth + 1]))
+                tree, kept = tree.pruned(self.controller.trim(seq, depth, sizes[: depth + 1], stratum))
                 tokens = [tokens[node] for node in kept]
             work = (0, 0)
             if draft.num_tokens_fed is not None:
@@ -301,8 +306,11 @@ def _verify(seq: Sequence, logits: torch.Tensor, draft: StepDraft, tree_acceptan
     tokens = torch.tensor([draft.tokens], dtype=torch.long)
     if seq.params.greedy:
         verified = greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft.tokens)])
+    elif draft.q is None:  # a plain step or a deterministic draft: the target draws each position's own token
+        p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
+        uniforms = [seq.uniform(seq.num_tokens + i) for i in range(len(draft.tokens) + 1)]
+        verified = sample_match(p, tokens, [len(draft.tokens)], [uniforms])
     else:
         p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
-        q = None if draft.q is None else draft.q[None]
-        verified = rejection_sample(p, tokens, [len(draft.tokens)], q, [seq.generator])
+        verified = rejection_sample(p, tokens, [len(draft.tokens)], draft.q[None], [seq.generator])
     return TreeVerified(list(range(verified.num_accepted[0])), verified.tokens[0])

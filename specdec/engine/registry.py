@@ -77,16 +77,51 @@ def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
 
 def _eagle(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
     from specdec.models.eagle import EagleDrafter, EagleLayer, default_eagle_dir
-    from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, linear_kernel, resolve_quantization
     from specdec.spec.proposers.eagle import EagleProposer
 
-    directory = _heads_dir(spec, engine, default_eagle_dir, "EAGLE draft layer")
-    layer = EagleLayer.load(directory)
-    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, target.dtype, engine.device)
-    kernel = linear_kernel(target.dtype, engine.device, quantization)
-    drafter = EagleDrafter(layer, target, _output_layer(target, layer.vocab, engine), kernel, quantization or str(target.dtype))
+    layer = EagleLayer.load(_heads_dir(spec, engine, default_eagle_dir, "EAGLE draft layer"))
+    kernel, weight_format = _draft_kernel(spec, target, engine)
+    drafter = EagleDrafter(layer, target, _output_layer(target, layer.vocab, engine), kernel, weight_format)
     return EagleProposer(drafter, engine.max_num_seqs, engine.max_model_len, spec.speculative_eagle_topk,
                          spec.speculative_num_draft_tokens)
+
+
+def _eagle3(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.models.eagle3 import Eagle3Drafter, Eagle3Layer, default_eagle3_dir
+    from specdec.spec.proposers.eagle import EagleProposer
+
+    layer = Eagle3Layer.load(_heads_dir(spec, engine, default_eagle3_dir, "EAGLE-3 draft layer"))
+    drafter = Eagle3Drafter(layer, target, *_draft_kernel(spec, target, engine))
+    return EagleProposer(drafter, engine.max_num_seqs, engine.max_model_len, spec.speculative_eagle_topk,
+                         spec.speculative_num_draft_tokens)
+
+
+def _mtp(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
+    from specdec.models.loader import resolve_model_dir
+    from specdec.models.mtp import MtpDrafter, MtpModules, default_mtp_dir, has_native_mtp
+    from specdec.spec.proposers.mtp import MtpProposer
+
+    if spec.speculative_eagle_topk != 1:
+        raise ValueError("MTP drafts a chain (each module guesses one token): speculative_eagle_topk must be 1")
+    if spec.model is None and has_native_mtp(resolve_model_dir(engine.model)):
+        directory = resolve_model_dir(engine.model)  # the target's own modules
+    else:
+        directory = _heads_dir(spec, engine, default_mtp_dir, "MTP modules")
+    modules = MtpModules.load(directory)
+    if spec.num_speculative_tokens > modules.config.num_modules:
+        raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} but {directory} has "
+                         f"{modules.config.num_modules} MTP module(s): one per drafted token")
+    kernel, weight_format = _draft_kernel(spec, target, engine)
+    drafter = MtpDrafter(modules, target, _output_layer(target, modules.vocab, engine), kernel, weight_format)
+    return MtpProposer(drafter, engine.max_num_seqs, engine.max_model_len)
+
+
+def _draft_kernel(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig):
+    """The linear kernel of a draft layer's weight format (`quantization`), and the format's name."""
+    from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, linear_kernel, resolve_quantization
+
+    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, target.dtype, engine.device)
+    return linear_kernel(target.dtype, engine.device, quantization), quantization or str(target.dtype)
 
 
 def _heads_dir(spec: SpeculativeConfig, engine: EngineConfig, default: Callable[[str], Path], what: str) -> Path:
@@ -115,6 +150,8 @@ PROPOSERS: dict[str, Callable[[SpeculativeConfig, Decoder, EngineConfig], Propos
     "suffix": _suffix,
     "medusa": _medusa,
     "eagle": _eagle,
+    "eagle3": _eagle3,
+    "mtp": _mtp,
 }
 
 

@@ -10,6 +10,7 @@ import torch
 
 from specdec.config import SamplingParams
 from specdec.metrics import SpecStats
+from specdec.sampling import position_uniform
 
 
 class SequenceStatus(enum.Enum):
@@ -25,6 +26,7 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
+    seed: int = 0  # the generator's seed; with a position, the uniform the target's token there is drawn from
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
@@ -39,6 +41,10 @@ class Sequence:
     num_forwards: int = 0  # target forwards this sequence took part in
     spec_stats: SpecStats | None = None  # set when the engine speculates
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
+
+    def uniform(self, position: int) -> float:
+        """The uniform that the target's token at `position` (in prompt + output) is drawn from."""
+        return position_uniform(self.seed, position)
 
     @property
     def token_ids(self) -> list[int]:

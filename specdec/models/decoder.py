@@ -124,8 +124,11 @@ class Decoder:
         return KVCache(c.num_layers, c.num_kv_heads, c.head_dim, num_slots, max_len, self.dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch, cache: KVCache, inputs_embeds: torch.Tensor | None = None) -> ForwardOutput:
-        """`inputs_embeds` [T, hidden], where given, replaces the token embeddings (a draft layer's fused inputs)."""
+    def forward(self, batch: ForwardBatch, cache: KVCache, inputs_embeds: torch.Tensor | None = None,
+                qkv_offset: torch.Tensor | None = None) -> ForwardOutput:
+        """`inputs_embeds` [T, hidden], where given, replaces the token embeddings (a draft layer's fused inputs);
+        `qkv_offset` [T, q + 2 kv] is added to the first layer's q/k/v projections (EAGLE-3's layer attends over
+        concat(norm(embedding), norm(hidden)) with the hidden as its residual: the embedding's share of the product)."""
         c = self.config
         for slot, n in zip(batch.slots, batch.num_new):
             cache.check_room(slot, n)
@@ -136,7 +139,8 @@ class Decoder:
         with self._attention_backends():
             for index, layer in enumerate(self.layers):
                 h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, c.rms_norm_eps)
-                x = x + layer.o(self._attention(layer.qkv(h), cos, sin, index, batch, masks, cache))
+                qkv = layer.qkv(h) if index or qkv_offset is None else layer.qkv(h) + qkv_offset
+                x = x + layer.o(self._attention(qkv, cos, sin, index, batch, masks, cache))
                 h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
                 gate, up = layer.gate_up(h).chunk(2, dim=-1)
                 x = x + layer.down(F.silu(gate) * up)

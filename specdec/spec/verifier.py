@@ -13,6 +13,14 @@ At the first rejection, emit a token from the residual norm(max(0, p_i − q_i))
 γ are accepted, emit a bonus token from p_γ+1. Each step therefore emits between 1 and γ + 1
 tokens, distributed exactly as sampling them one by one from p.
 
+A deterministic chain at temperature > 0 (and a plain step: γ = 0) is verified by coupling instead
+(`sample_match`): at each position the target draws its own token y_i ~ p_i from a uniform fixed by the
+request's seed and the position, and the draft is accepted while x_i = y_i; the first y_i ≠ x_i is
+emitted. x_i is accepted with probability p_i(x_i), and a rejection emits p_i without x_i renormalised:
+the chain rule's distribution exactly (q one-hot), with the randomness tied to positions, so a seeded
+request's text is the same whatever γ each step drafted or whether a lookup found anything (γ schedules
+then compare on identical texts).
+
 Trees (spec/tree.py; SpecInfer, Miao et al. 2024): at the current node, its children are tried in
 order against a residual that starts as p there: accept child x with probability
 min(1, r(x) / q(x)); on rejection r ← norm(max(0, r − q)) and try the next child; accepted, move
@@ -30,7 +38,7 @@ import math
 
 import torch
 
-from specdec.sampling import draw
+from specdec.sampling import draw, draw_at
 from specdec.spec.tree import ROOT, TokenTree
 
 
@@ -86,6 +94,24 @@ def greedy_match(target_argmax: torch.Tensor, draft_tokens: torch.Tensor, num_dr
             n += 1
         num_accepted.append(n)
         tokens.append(best[: n + 1])
+    return Verified(num_accepted, tokens)
+
+
+def sample_match(
+    p: torch.Tensor, draft_tokens: torch.Tensor, num_draft: Sequence[int], uniforms: Sequence[Sequence[float]]
+) -> Verified:
+    """Deterministic drafts at temperature > 0 (module docstring): p [B, γ_max + 1, V]; uniforms[row][i] ∈ [0, 1)
+    is the draw of the row's i-th verified position (γ + 1 of them). Greedy matching with each argmax replaced by
+    a sample."""
+    num_accepted, tokens = [], []
+    for row, gamma in enumerate(num_draft):
+        emitted: list[int] = []
+        for i in range(gamma + 1):
+            emitted.append(draw_at(p[row, i], uniforms[row][i]))
+            if i == gamma or emitted[-1] != int(draft_tokens[row, i]):
+                break
+        num_accepted.append(len(emitted) - 1)
+        tokens.append(emitted)
     return Verified(num_accepted, tokens)
 
 

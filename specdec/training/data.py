@@ -89,20 +89,26 @@ def generation_requests(tokenizer: Any, config: CorpusConfig, count: int) -> lis
     return requests
 
 
-def hidden_states(model: Decoder, token_ids: list[int], chunk_tokens: int) -> torch.Tensor:
-    """The target's final hidden states [n, H] of a token sequence (one KV slot, fed `chunk_tokens` at a time)."""
+def hidden_states(model: Decoder, token_ids: list[int], chunk_tokens: int,
+                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's final hidden states [n, H] of a token sequence (one KV slot, fed `chunk_tokens` at a time), and
+    where `layers` are given, those layers' outputs side by side [n, len(layers) · H]."""
     cache = model.new_kv_cache(1, len(token_ids))
     slot = cache.allocate()
-    parts = []
+    parts, aux = [], []
     for start in range(0, len(token_ids), chunk_tokens):
-        batch = ForwardBatch.build([SequenceInput(slot, token_ids[start : start + chunk_tokens], num_logits=1)], [start])
-        parts.append(model.forward(batch, cache).hidden)
-    return torch.cat(parts)
+        inputs = [SequenceInput(slot, token_ids[start : start + chunk_tokens], num_logits=1)]
+        out = model.forward(ForwardBatch.build(inputs, [start], hidden_layers=layers), cache)
+        parts.append(out.hidden)
+        if layers:
+            aux.append(torch.cat([out.layer_hidden[i] for i in layers], dim=-1))
+    return torch.cat(parts), torch.cat(aux) if layers else None
 
 
-def write_shards(llm: Any, directory: Path, config: CorpusConfig) -> list[Path]:
+def write_shards(llm: Any, directory: Path, config: CorpusConfig, layers: tuple[int, ...] = ()) -> list[Path]:
     """Shards of (token ids, hidden states) under `directory`: the corpus chunks, then the generated texts (request and
-    continuation, whose hidden states cover both). Existing shards are kept."""
+    continuation, whose hidden states cover both); with `layers`, also those layers' outputs ("aux", for EAGLE-3).
+    Existing shards are kept where they hold what is asked."""
     directory.mkdir(parents=True, exist_ok=True)
     model, tokenizer = llm.engine.model, llm.get_tokenizer()
     chunks = list(source_chunks(tokenizer, config))
@@ -111,13 +117,23 @@ def write_shards(llm: Any, directory: Path, config: CorpusConfig) -> list[Path]:
     paths = []
     for index, chunk in enumerate(tqdm(chunks, desc="target hidden states", unit="chunk")):
         path = directory / f"shard_{index:05d}.safetensors"
-        if not path.exists():
-            hidden = hidden_states(model, chunk, config.chunk_tokens)
+        if not path.exists() or (layers and _shard_layers(path) != layers):
+            hidden, aux = hidden_states(model, chunk, config.chunk_tokens, layers)
+            tensors = {"token_ids": torch.tensor(chunk), "hidden": hidden.to(torch.bfloat16).contiguous()}
+            if aux is not None:
+                tensors |= {"aux": aux.to(torch.bfloat16).contiguous(), "aux_layers": torch.tensor(layers)}
             tmp = path.with_suffix(".tmp")
-            save_file({"token_ids": torch.tensor(chunk), "hidden": hidden.to(torch.bfloat16).contiguous()}, str(tmp))
+            save_file(tensors, str(tmp))
             tmp.rename(path)
         paths.append(path)
     return paths
+
+
+def _shard_layers(path: Path) -> tuple[int, ...]:
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as shard:
+        return tuple(shard.get_tensor("aux_layers").tolist()) if "aux_layers" in shard.keys() else ()
 
 
 def _generated(llm: Any, tokenizer: Any, directory: Path, config: CorpusConfig) -> list[list[int]]:
@@ -143,6 +159,11 @@ def load_shards(paths: list[Path]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         tensors = load_file(str(path))
         shards.append((tensors["token_ids"], tensors["hidden"].float()))
     return shards
+
+
+def load_aux(paths: list[Path]) -> list[torch.Tensor]:
+    """Each shard's layer outputs [n, layers · H] float32 (shards written with `layers`)."""
+    return [load_file(str(path))["aux"].float() for path in paths]
 
 
 def frequent_tokens(shards: list[tuple[torch.Tensor, torch.Tensor]], size: int) -> torch.Tensor:

@@ -17,7 +17,7 @@ import torch
 
 from specdec.models.loader import resolve_model_dir
 from specdec.models.medusa import output_embedding
-from specdec.training.data import CorpusConfig, frequent_tokens, load_shards, write_shards
+from specdec.training.data import CorpusConfig, frequent_tokens, load_aux, load_shards, write_shards
 
 STATE_FILE = "train_state.pt"
 Shard = tuple[torch.Tensor, torch.Tensor]
@@ -29,17 +29,24 @@ class DistillationData:
     held_out: list[Shard]  # the corpus's last chunks (empty when it has one chunk)
     vocab: torch.Tensor | None  # the reduced output vocabulary (ascending ids), None = all tokens
     projection: torch.Tensor  # the frozen LM-head rows of `vocab` [V', H], float32
+    train_aux: list[torch.Tensor]  # per training shard, the asked layers' outputs side by side (none asked: empty)
+    held_out_aux: list[torch.Tensor]
 
 
-def distillation_data(llm: Any, directory: Path, corpus: CorpusConfig, vocab_size: int, held_out: float) -> DistillationData:
-    """The target's hidden states over the corpus (computed into `directory` once), split, with the vocabulary."""
+def distillation_data(llm: Any, directory: Path, corpus: CorpusConfig, vocab_size: int, held_out: float,
+                      layers: tuple[int, ...] = ()) -> DistillationData:
+    """The target's hidden states over the corpus (computed into `directory` once), split, with the vocabulary; with
+    `layers`, those layers' outputs too (EAGLE-3)."""
     target = llm.engine.model
-    shards = load_shards(write_shards(llm, directory, corpus))
-    held = max(1, round(len(shards) * held_out)) if held_out and len(shards) > 1 else 0
-    train = shards[: len(shards) - held]
+    paths = write_shards(llm, directory, corpus, layers)
+    shards = load_shards(paths)
+    aux = load_aux(paths) if layers else []
+    split = len(shards) - (max(1, round(len(shards) * held_out)) if held_out and len(shards) > 1 else 0)
+    train = shards[:split]
     vocab = frequent_tokens(train, vocab_size) if 0 < vocab_size < target.config.vocab_size else None
     weight = output_embedding(target, resolve_model_dir(llm.config.model))
-    return DistillationData(train, shards[len(shards) - held :], vocab, weight if vocab is None else weight[vocab])
+    return DistillationData(train, shards[split:], vocab, weight if vocab is None else weight[vocab], aux[:split],
+                            aux[split:])
 
 
 class TrainingRun:

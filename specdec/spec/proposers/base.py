@@ -31,6 +31,9 @@ class Draft:
     # per sequence, a token tree whose node j holds tokens[i, j] (then num_tokens[i] is its node count), or None
     # for a chain; tree drafts are deterministic candidates (q = None)
     trees: list[TokenTree | None] | None = None
+    # per sequence, the proposer's own class of its draft's evidence (an n-gram's match length): the adaptive
+    # controller learns acceptance per class (engine/adaptive.py); None where the proposer has none
+    strata: list[int] | None = None
 
     def __post_init__(self) -> None:
         if self.trees is not None and self.q is not None:
@@ -41,18 +44,25 @@ class Draft:
         return cls(torch.zeros(batch, 0, dtype=torch.long), [0] * batch, None)
 
     @classmethod
-    def deterministic(cls, drafts: Seq[Seq[int]]) -> "Draft":
+    def deterministic(
+        cls, drafts: Seq[Seq[int]], trees: list[TokenTree | None] | None = None, strata: list[int] | None = None
+    ) -> "Draft":
         """One token list per sequence (any lengths, empty = no draft), q = None."""
         tokens = torch.zeros(len(drafts), max((len(d) for d in drafts), default=0), dtype=torch.long)
         for i, draft in enumerate(drafts):
             tokens[i, : len(draft)] = torch.tensor(draft, dtype=torch.long)
-        return cls(tokens, [len(d) for d in drafts], None)
+        return cls(tokens, [len(d) for d in drafts], None, trees=trees, strata=strata)
 
 
 class Proposer(Protocol):
     needs_hidden_states: bool  # whether observe() is given the target's hidden states (Medusa, EAGLE, MTP)
+    # which: () = the final ones (after the last norm); else the outputs of these layers, concatenated (EAGLE-3)
+    feature_layers: tuple[int, ...]
     # the draft's own model, whose measured cost curve prices drafting; None where drafting costs next to nothing
     model: Decoder | None
+    # whether drafts come with `Draft.strata` (then, drafting being free, the controller asks for γ_max each step
+    # and chooses how much to verify from the stratum's acceptance)
+    stratified: bool
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
         """Up to num_tokens[i] draft tokens continuing each sequence's committed tokens."""
@@ -61,7 +71,8 @@ class Proposer(Protocol):
         """Called after verification appended the accepted tokens: roll back what was rejected. Where the
         proposer needs them, `hidden[i]` holds the target's final hidden states [k, hidden_size] of the tokens
         seqs[i] fed and kept since the last call (its prompt chunks or pending tokens, then the accepted drafts):
-        the last one's LM-head output gave the token the next step starts from."""
+        the last one's LM-head output gave the token the next step starts from (`feature_layers` says which
+        hidden states)."""
 
     def release(self, seq: Sequence) -> None:
         """The sequence finished or was aborted: drop its state."""

@@ -21,7 +21,8 @@ from collections.abc import Sequence as Seq
 import torch
 
 from specdec.engine.sequence import Sequence
-from specdec.models.batch import ForwardBatch, SequenceInput
+from specdec.kv_cache import KVCache
+from specdec.models.batch import ForwardBatch, ForwardOutput, SequenceInput
 from specdec.models.decoder import Decoder
 from specdec.sampling import processed_probs, sample
 from specdec.spec.draft_tree import DraftTreeSearch
@@ -31,6 +32,8 @@ from specdec.spec.proposers.tree_growth import grow_trees, tree_draft
 
 class DraftModelProposer:
     needs_hidden_states = False
+    stratified = False
+    feature_layers = ()
 
     def __init__(self, model: Decoder, max_num_seqs: int, max_model_len: int, confidence_threshold: float = 0.0,
                  top_k: int = 1, num_draft_tokens: int = 8) -> None:
@@ -91,8 +94,11 @@ class DraftModelProposer:
         out = self.model.forward(ForwardBatch.build(inputs, [self.cache.length(s) for s in slots]), self.cache)
         last_rows = torch.tensor([len(tokens) for tokens in feed]).cumsum(0) - 1
         searches = [DraftTreeSearch(self.top_k, num_tokens[i], self.num_draft_tokens) for i in rows]
-        forwards = grow_trees(self.model, self.cache, slots, searches, out.logits, out.hidden[last_rows], lambda ids: ids)
+        forwards = grow_trees(self._forward, self.cache, slots, searches, out.logits, out.hidden[last_rows], lambda ids: ids)
         return tree_draft(len(seqs), rows, searches, forwards, [len(tokens) for tokens in feed], chain=False)
+
+    def _forward(self, batch: ForwardBatch, cache: KVCache, token_ids: torch.Tensor, parents: torch.Tensor) -> ForwardOutput:
+        return self.model.forward(batch, cache)  # a draft model reads tokens only
 
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:

@@ -1,7 +1,7 @@
-"""EAGLE (Li et al. 2024; vLLM / SGLang `method: "eagle"`): drafting in the target's feature space.
+"""EAGLE (Li et al. 2024; vLLM / SGLang `method: "eagle"` and `"eagle3"`): drafting in the target's feature space.
 
-The engine hands over the target's final hidden states of every token it keeps (prompt chunks
-included). Each step the draft layer first catches up on the features it has not read (f_t with
+The engine hands over the target's hidden states of every token it keeps (prompt chunks included):
+its final ones for EAGLE-1/2, the outputs of three of its layers for EAGLE-3 (models/eagle3.py). Each step the draft layer first catches up on the features it has not read (f_t with
 token t + 1, one row each: the last row's output f̂ gives depth 1), then drafts deeper by feeding its
 own f̂ back. With `top_k` = 1 that is a chain (vLLM's EAGLE); with `top_k` > 1 it is EAGLE-2's
 dynamic tree: per depth the `top_k` most confident candidates are expanded in one draft forward
@@ -22,6 +22,7 @@ import torch
 from specdec.engine.sequence import Sequence
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.eagle import EagleDrafter
+from specdec.models.eagle3 import Eagle3Drafter
 from specdec.spec.draft_tree import DraftTreeSearch
 from specdec.spec.proposers.base import Draft
 from specdec.spec.proposers.tree_growth import grow_trees, tree_draft
@@ -29,10 +30,12 @@ from specdec.spec.proposers.tree_growth import grow_trees, tree_draft
 
 class EagleProposer:
     needs_hidden_states = True
+    stratified = False
 
-    def __init__(self, drafter: EagleDrafter, max_num_seqs: int, max_model_len: int, top_k: int = 1,
+    def __init__(self, drafter: EagleDrafter | Eagle3Drafter, max_num_seqs: int, max_model_len: int, top_k: int = 1,
                  num_draft_tokens: int = 8) -> None:
         self.drafter = drafter
+        self.feature_layers = drafter.feature_layers  # the target layers whose outputs the draft reads
         self.model = drafter.decoder  # its measured cost curve prices drafting
         self.top_k = top_k
         self.num_draft_tokens = num_draft_tokens
@@ -48,18 +51,20 @@ class EagleProposer:
             return Draft.empty(len(seqs))
         slots = [self._slots[seqs[i]] for i in rows]
         # catch-up: every unread feature f_t with token t + 1; the last row's output starts the draft
-        inputs, embeds, fed = [], [], []
+        inputs, token_ids, features, fed = [], [], [], []
         for i, slot in zip(rows, slots):
             seq = seqs[i]
             tokens = seq.token_ids_from(self.cache.length(slot) + 1)
             inputs.append(SequenceInput(slot, tokens, num_logits=1))
-            embeds.append(self.drafter.inputs(torch.tensor(tokens), torch.cat(self._unread.pop(seq))))
+            token_ids += tokens
+            features += self._unread.pop(seq)
             fed.append(len(tokens))
-        out = self.model.forward(ForwardBatch.build(inputs, [self.cache.length(s) for s in slots]), self.cache, torch.cat(embeds))
+        batch = ForwardBatch.build(inputs, [self.cache.length(s) for s in slots])
+        out = self.drafter.forward(batch, self.cache, torch.tensor(token_ids), torch.cat(features))
         searches = [DraftTreeSearch(self.top_k, num_tokens[i], self._num_nodes(num_tokens[i])) for i in rows]
         last_rows = torch.tensor(fed).cumsum(0) - 1
-        forwards = grow_trees(self.model, self.cache, slots, searches, out.logits, out.hidden[last_rows],
-                              self.drafter.token_ids, self.drafter.inputs)
+        forwards = grow_trees(self.drafter.forward, self.cache, slots, searches, out.logits, out.hidden[last_rows],
+                              self.drafter.token_ids)
         return tree_draft(len(seqs), rows, searches, forwards, fed, chain=self.top_k == 1)
 
     def _num_nodes(self, depth: int) -> int:

@@ -21,6 +21,8 @@ from specdec.spec.tree import TokenTree
 
 class MedusaProposer:
     needs_hidden_states = True
+    stratified = False
+    feature_layers = ()
     model = None  # the heads cost a few small products beside a target forward
 
     def __init__(self, heads: MedusaHeads, project, tree: TokenTree) -> None:

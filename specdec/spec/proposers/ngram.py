@@ -35,16 +35,20 @@ class NgramIndex:
                 self._latest_end[tuple(self.tokens[end - n : end])] = end
             self.tokens.append(token)
 
-    def propose(self, num_tokens: int) -> list[int]:
-        """Up to num_tokens tokens after the latest earlier occurrence of the longest matching suffix."""
+    def longest_match(self) -> tuple[int, int]:
+        """(n, end): the longest suffix of n tokens that occurred before (min_n ≤ n ≤ max_n) and where its latest
+        earlier occurrence ends; (0, 0) where none did."""
         length = len(self.tokens)
-        if num_tokens <= 0:
-            return []
         for n in range(min(self.max_n, length), self.min_n - 1, -1):
             end = self._latest_end.get(tuple(self.tokens[length - n :]))
             if end is not None:
-                return continuation(self.tokens, end, num_tokens)
-        return []
+                return n, end
+        return 0, 0
+
+    def propose(self, num_tokens: int) -> list[int]:
+        """Up to num_tokens tokens after the latest earlier occurrence of the longest matching suffix."""
+        n, end = self.longest_match()
+        return continuation(self.tokens, end, num_tokens) if n and num_tokens > 0 else []
 
 
 def continuation(tokens: Seq[int], start: int, num_tokens: int) -> list[int]:
@@ -61,13 +65,21 @@ def continuation(tokens: Seq[int], start: int, num_tokens: int) -> list[int]:
 class NgramProposer:
     needs_hidden_states = False
     model = None  # a lookup, next to free beside a target forward
+    stratified = True  # a draft's stratum is its match length: 5 matched tokens predict acceptance better than 2
+    feature_layers = ()
 
     def __init__(self, min_n: int, max_n: int) -> None:
         self.min_n, self.max_n = min_n, max_n
         self._indexes: dict[Sequence, NgramIndex] = {}
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
-        return Draft.deterministic([self._index(seq).propose(n) for seq, n in zip(seqs, num_tokens)])
+        drafts, match_lengths = [], []
+        for seq, num in zip(seqs, num_tokens):
+            index = self._index(seq)
+            n, end = index.longest_match()
+            drafts.append(continuation(index.tokens, end, num) if n and num > 0 else [])
+            match_lengths.append(n)
+        return Draft.deterministic(drafts, strata=match_lengths)
 
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:

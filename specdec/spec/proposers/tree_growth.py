@@ -15,18 +15,18 @@ from collections.abc import Callable
 import torch
 
 from specdec.kv_cache import KVCache
-from specdec.models.batch import ForwardBatch, SequenceInput
-from specdec.models.decoder import Decoder
+from specdec.models.batch import ForwardBatch, ForwardOutput, SequenceInput
 from specdec.spec.draft_tree import DraftTreeSearch
 from specdec.spec.proposers.base import Draft
 from specdec.spec.tree import ROOT, TokenTree
 
-# the draft's input rows for tokens [n] whose parents' output rows are hidden [n, H]; None: the token embeddings
-InputRows = Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None
+# a draft forward: (batch, its KV cache, the rows' token ids [n], their parents' output rows [n, H]) → output, whose
+# `hidden` rows are what a child row reads (a draft model ignores them; EAGLE's layer feeds them back)
+DraftForward = Callable[[ForwardBatch, KVCache, torch.Tensor, torch.Tensor], ForwardOutput]
 
 
-def grow_trees(model: Decoder, cache: KVCache, slots: list[int], searches: list[DraftTreeSearch], logits: torch.Tensor,
-               hidden: torch.Tensor, token_ids: Callable[[torch.Tensor], torch.Tensor], input_rows: InputRows = None) -> list[int]:
+def grow_trees(forward: DraftForward, cache: KVCache, slots: list[int], searches: list[DraftTreeSearch],
+               logits: torch.Tensor, hidden: torch.Tensor, token_ids: Callable[[torch.Tensor], torch.Tensor]) -> list[int]:
     """`logits`, `hidden` [rows, ·]: each sequence's last caught-up row. `token_ids` maps the draft's logit columns
     to token ids. Returns the draft forwards each sequence ran (the catch-up's included)."""
     real = [cache.length(slot) for slot in slots]
@@ -57,8 +57,7 @@ def grow_trees(model: Decoder, cache: KVCache, slots: list[int], searches: list[
             parents += nodes
             forwards[r] += 1
         batch = ForwardBatch.build(inputs, [cache.length(slots[r]) for r, _ in frontier])
-        embeds = None if input_rows is None else input_rows(torch.tensor(tokens_fed), torch.stack(parents_hidden))
-        out = model.forward(batch, cache, embeds)
+        out = forward(batch, cache, torch.tensor(tokens_fed), torch.stack(parents_hidden))
         _add_children(searches, parent_hidden, owners, parents, out.logits, out.hidden, token_ids)
     for slot, length in zip(slots, real):
         cache.truncate(slot, length)
