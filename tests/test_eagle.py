@@ -47,12 +47,17 @@ def random_layer(target_dir, directory, vocab: list[int] | None = None, scale: f
                                                     draft_vocab_size=len(projection)), vocab)
     else:
         layer = EagleLayer(EagleConfig.for_target(target.config, config.intermediate_size), vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in layer.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    jitter(layer, scale, seed)
     layer.save(directory)
     return directory
+
+
+def jitter(module: torch.nn.Module, scale: float, seed: int) -> None:
+    """Random weights added to every parameter (scaled by its fan-in), seeded."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ from specdec.models.linear import DenseLinear
 from specdec.models.loader import load_decoder
 from specdec.models.mtp import MtpConfig, MtpDrafter, MtpModules
 from specdec.spec.proposers.mtp import _mask
+from test_eagle import jitter
 
 PROMPTS = ["abc abc abc abc", "def add(a, b):\n    return a + b\n\ndef add(a, b):", "x"]
 PARAMS = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
@@ -39,10 +40,7 @@ def random_modules(target_dir, directory, num_modules: int = 3, vocab: list[int]
         modules = MtpModules(MtpConfig(t.hidden_size, intermediate_size or t.intermediate_size, t.num_heads,
                                        t.num_kv_heads, t.head_dim, t.rms_norm_eps, fc_bias=False,
                                        num_modules=num_modules), vocab)
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for p in modules.parameters():
-            p.add_(torch.randn(p.shape, generator=g) * scale / p.shape[-1] ** 0.5)
+    jitter(modules, scale, seed)
     modules.save(directory)
     return directory
 

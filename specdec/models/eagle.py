@@ -19,6 +19,7 @@ Qwen2 target: which biases and norms exist is read from the weights' names.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -273,7 +274,8 @@ class EagleDrafter:
         return indices if self.vocab is None else self.vocab[indices]
 
 
-def kernel_of(target: Decoder, kernel: LinearKernel):
+def kernel_of(target: Decoder, kernel: LinearKernel) -> Callable[..., Linear]:
+    """A draft layer's weights (and bias) → the kernel, on the target's device and in its dtype."""
     def linear(weight: torch.Tensor, bias: torch.Tensor | None = None) -> Linear:
         weight = weight.detach().to(target.device, target.dtype).contiguous()
         return kernel(weight, None if bias is None else bias.detach().to(target.device, target.dtype))
