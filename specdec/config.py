@@ -141,7 +141,8 @@ class SpeculativeConfig:
       checkpoint), which reads three of the target's layers and has its own head over a draft vocabulary.
     - `mtp`: `model`, a directory of multi-token prediction modules (`specdec train-heads --method mtp`; default:
       the target checkpoint's own `model.mtp_layers.*` where it has them, else the modules trained for it under
-      the cache dir); module k drafts the k-th token, so num_speculative_tokens (default 1) ≤ the modules.
+      the cache dir); module k drafts the k-th token (num_speculative_tokens, default 1; deeper than the modules,
+      the last one repeats).
       `draft_model` takes the same tree knobs (SGLang's standalone speculation): top-k > 1 drafts dynamic trees.
     Tree drafts (Medusa, EAGLE) at temperature > 0: `acceptance_method` "rejection_sampler" (lossless, default) or
     "typical_acceptance_sampler" (Medusa's, lossy: a candidate x passes where p(x) > min(ε, δ·exp(−H(p))),

@@ -90,9 +90,12 @@ def test_engine_modules_compute_what_the_trainable_ones_do(tiny_qwen, tmp_path):
         inputs = expected[k - 1]
 
 
-@pytest.mark.parametrize("gamma, adaptive", [(1, False), (2, False), (3, False), (3, True)])
-def test_greedy_output_is_token_identical_to_plain(gamma, adaptive, tiny_qwen, plain_greedy, tmp_path):
-    directory = random_modules(tiny_qwen, tmp_path / "m", vocab=list(range(0, 256, 2)) if gamma == 2 else None)
+@pytest.mark.parametrize("gamma, adaptive, num_modules", [(1, False, 3), (2, False, 3), (3, False, 3), (3, True, 3),
+                                                       (5, False, 3), (3, False, 1), (4, True, 2)])
+def test_greedy_output_is_token_identical_to_plain(gamma, adaptive, num_modules, tiny_qwen, plain_greedy, tmp_path):
+    """γ beyond the modules: the last one repeats."""
+    directory = random_modules(tiny_qwen, tmp_path / "m", num_modules,
+                               vocab=list(range(0, 256, 2)) if gamma == 2 else None)
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256, max_num_seqs=3,
               speculative_config={"method": "mtp", "model": str(directory), "num_speculative_tokens": gamma,
                                   "adaptive": adaptive})
@@ -101,7 +104,22 @@ def test_greedy_output_is_token_identical_to_plain(gamma, adaptive, tiny_qwen, p
         from test_adaptive import FLAT
 
         llm.engine.controller = AdaptiveGamma(StepCosts(FLAT, FLAT), calibration_weight=0.0)
+    proposer, propose, checked = llm.engine.proposer, llm.engine.proposer.propose, []
+
+    def propose_and_check_caches(seqs, num_tokens):
+        draft = propose(seqs, num_tokens)
+        # after a step ≥ K deep, module k holds its real rows only: p ≤ N − 1 − k
+        for seq, n in zip(seqs, num_tokens):
+            if n >= num_modules and draft.num_tokens[seqs.index(seq)] == n:
+                slots = proposer._slots[seq]
+                assert [c.length(s) for c, s in zip(proposer.caches, slots)] == [
+                    max(0, seq.num_tokens - k) for k in range(1, num_modules + 1)]
+                checked.append(n)
+        return draft
+
+    proposer.propose = propose_and_check_caches
     outputs = llm.generate(PROMPTS, PARAMS, use_tqdm=False)
+    assert checked or adaptive or gamma < num_modules
     assert [o.outputs[0].token_ids for o in outputs] == plain_greedy
     stats = [o.metrics.speculative_decoding for o in outputs]
     assert sum(s["num_accepted_tokens"] for s in stats) > 0
@@ -197,7 +215,6 @@ def test_train_heads_command_mtp(tiny_qwen, tmp_path, capsys):
 def test_bad_config(tiny_qwen, tmp_path):
     directory = random_modules(tiny_qwen, tmp_path / "m", num_modules=2)
     for config, message in [
-        ({"method": "mtp", "model": str(directory), "num_speculative_tokens": 3}, "2 MTP module"),
         ({"method": "mtp", "model": str(directory), "speculative_eagle_topk": 2}, "chain"),
         ({"method": "mtp", "model": str(tmp_path / "none")}, "no MTP modules"),
     ]:

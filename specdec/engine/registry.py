@@ -108,9 +108,6 @@ def _mtp(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Prop
     else:
         directory = _heads_dir(spec, engine, default_mtp_dir, "MTP modules")
     modules = MtpModules.load(directory)
-    if spec.num_speculative_tokens > modules.config.num_modules:
-        raise ValueError(f"num_speculative_tokens={spec.num_speculative_tokens} but {directory} has "
-                         f"{modules.config.num_modules} MTP module(s): one per drafted token")
     kernel, weight_format = _draft_kernel(spec, target, engine)
     drafter = MtpDrafter(modules, target, _output_layer(target, modules.vocab, engine), kernel, weight_format)
     return MtpProposer(drafter, engine.max_num_seqs, engine.max_model_len)

@@ -7,7 +7,8 @@ target's final hidden state), and the embedding of token p + k:
 and the target's LM head on h_k(p) gives token p + k + 1 (the concatenation in MiMo's order; DeepSeek's
 `eh_proj` reads the embedding first). After committed tokens 0 … N − 1, every module drafts at
 position N − 2, the last whose target feature exists: module 1 reads token N − 1 and guesses d_1 =
-token N; module k reads d_{k−1} with module k − 1's output and guesses token N + k − 1. γ ≤ K.
+token N; module k reads d_{k−1} with module k − 1's output and guesses token N + k − 1. Deeper than K, module K
+repeats (spec/proposers/mtp.py).
 
 Attention. Module k's row p reads token p + k, committed for p ≤ N − 1 − k: its KV cache holds those
 real rows, and its draft row at N − 2 attends to them and itself, skipping the k − 2 rows between

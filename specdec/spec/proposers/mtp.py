@@ -1,12 +1,15 @@
 """MTP self-speculation (DeepSeek-V3 / MiMo; vLLM `method: "mtp"`): the target's own multi-token prediction modules.
 
-Drafting a step γ ≤ K deep runs module 1 … γ in turn, one forward each, all at the position N − 2 of
-the last target feature (models/mtp.py). Each module first catches up on its real rows, those whose
+Drafting a step γ deep runs module 1 … min(γ, K) in turn, one forward each, all at the position N − 2
+of the last target feature (models/mtp.py). Each module first catches up on its real rows, those whose
 token is committed: module 1 on the target features the engine handed over since its last run,
 module k on module k − 1's outputs at the positions whose token p + k is now committed (kept until
 module k runs: a step drafting fewer than k tokens leaves them waiting). Module k ≥ 2's draft row
-reads module k − 1's guess with its output and is dropped from module k's cache after the step. The
-draft is a chain of each module's most likely token (deterministic: q = None).
+reads module k − 1's guess with its output. Deeper than K (vLLM's reuse of the last MTP layer), module K
+autoregresses as an EAGLE layer does: its row at N − 2 + j reads the previous guess with its own output
+one row back, attending to everything before it — a pattern it was not trained on, so its guesses are
+weaker (the adaptive controller finds out how much). Draft rows leave the caches after the step. The
+draft is a chain of each step's most likely token (deterministic: q = None).
 """
 
 from __future__ import annotations
@@ -38,21 +41,29 @@ class MtpProposer:
         rows = [i for i, seq in enumerate(seqs) if num_tokens[i] > 0 and self._ready(seq)]
         drafts: list[list[int]] = [[] for _ in seqs]
         fed, forwards = [0] * len(seqs), [0] * len(seqs)
-        carried: dict[int, torch.Tensor] = {}  # row i → the output of its previous module's draft row
-        for module in range(1, 1 + max((num_tokens[i] for i in rows), default=0)):
-            active = [i for i in rows if num_tokens[i] >= module]
+        carried: dict[int, torch.Tensor] = {}  # row i → the output of its previous draft row
+        num_modules = self.drafter.num_modules
+        for depth in range(1, 1 + max((num_tokens[i] for i in rows), default=0)):
+            module = min(depth, num_modules)
+            active = [i for i in rows if num_tokens[i] >= depth]
             inputs, token_ids, hidden, real = [], [], [], []
             for i in active:
                 seq = seqs[i]
                 slot, cache = self._slots[seq][module - 1], self.caches[module - 1]
-                start, end = cache.length(slot), seq.num_tokens - module  # real rows p = start … end − 1
-                tokens = seq.token_ids_from(start + module)[: end - start]
-                states = self._take(seq, module, end - start)
-                positions = list(range(start, end))
-                if module > 1:  # the draft row at N − 2: the previous module's guess and output
-                    tokens, positions = [*tokens, drafts[i][-1]], [*positions, seq.num_tokens - 2]
-                    states = torch.cat([states, carried[i][None]])
-                inputs.append(SequenceInput(slot, tokens, positions, _mask(module, start, positions), len(tokens)))
+                if depth > num_modules:  # module K again, one row further: causal over its cache
+                    tokens, positions = [drafts[i][-1]], [seq.num_tokens - 2 + depth - module]
+                    states, mask = carried[i][None], None
+                    start = end = 0
+                else:
+                    start, end = cache.length(slot), seq.num_tokens - module  # real rows p = start … end − 1
+                    tokens = seq.token_ids_from(start + module)[: end - start]
+                    states = self._take(seq, module, end - start)
+                    positions = list(range(start, end))
+                    if module > 1:  # the draft row at N − 2: the previous module's guess and output
+                        tokens, positions = [*tokens, drafts[i][-1]], [*positions, seq.num_tokens - 2]
+                        states = torch.cat([states, carried[i][None]])
+                    mask = _mask(module, start, positions)
+                inputs.append(SequenceInput(slot, tokens, positions, mask, len(tokens)))
                 token_ids += tokens
                 hidden.append(states)
                 real.append(end - start)
@@ -65,13 +76,15 @@ class MtpProposer:
                 seq, last = seqs[i], row + len(item.token_ids) - 1
                 drafts[i].append(best[last])
                 carried[i] = out.hidden[last]
-                if module < self.drafter.num_modules and n_real:
+                if module < num_modules and n_real:
                     self._pending[seq][module].append(out.hidden[row : row + n_real])
-                if module > 1:
-                    cache.truncate(item.slot, cache.length(item.slot) - 1)  # the draft row
                 fed[i] += len(item.token_ids)
                 forwards[i] += 1
                 row += len(item.token_ids)
+        for i in rows:
+            for module in range(1, 1 + min(num_tokens[i], num_modules)):
+                slot, cache = self._slots[seqs[i]][module - 1], self.caches[module - 1]
+                cache.truncate(slot, cache.length(slot) - _draft_rows(module, num_tokens[i], num_modules))
         draft = Draft.deterministic(drafts)
         return Draft(draft.tokens, draft.num_tokens, None, num_tokens_fed=fed, num_forwards=forwards)
 
@@ -105,6 +118,12 @@ class MtpProposer:
         self._pending.pop(seq, None)
         for cache, slot in zip(self.caches, self._slots.pop(seq, [])):
             cache.free(slot)
+
+
+def _draft_rows(module: int, gamma: int, num_modules: int) -> int:
+    """Rows of module k's cache that hold drafts after a step γ deep: its row at N − 2 (k ≥ 2), and module K's rows
+    beyond it."""
+    return int(module > 1) + (max(0, gamma - num_modules) if module == num_modules else 0)
 
 
 def _mask(module: int, cached: int, positions: list[int]) -> torch.Tensor | None:
