@@ -87,7 +87,7 @@ class Engine:
                 seed = params.seed + index
             else:
                 seed = int(torch.randint(2**62, (1,), generator=self._seed_source))
-            seq = Sequence(request_id, index, prompt, params, make_generator(seed), seed)
+            seq = Sequence(request_id, index, prompt, params, make_generator(seed))
             seq.spec_stats = SpecStats() if self.proposer is not None else None
             seq.logprobs = [] if params.logprobs is not None else None
             start_detokenizer(seq)
@@ -306,11 +306,11 @@ def _verify(seq: Sequence, logits: torch.Tensor, draft: StepDraft, tree_acceptan
     tokens = torch.tensor([draft.tokens], dtype=torch.long)
     if seq.params.greedy:
         verified = greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft.tokens)])
-    elif draft.q is None:  # a plain step or a deterministic draft: the target draws each position's own token
-        p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
-        uniforms = [seq.uniform(seq.num_tokens + i) for i in range(len(draft.tokens) + 1)]
-        verified = sample_match(p, tokens, [len(draft.tokens)], [uniforms])
     else:
         p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
-        verified = rejection_sample(p, tokens, [len(draft.tokens)], draft.q[None], [seq.generator])
+        if draft.q is None:  # a plain step or a deterministic draft: the target draws each position's own token
+            uniforms = [seq.uniform(seq.num_tokens + i) for i in range(len(draft.tokens) + 1)]
+            verified = sample_match(p, tokens, [len(draft.tokens)], [uniforms])
+        else:
+            verified = rejection_sample(p, tokens, [len(draft.tokens)], draft.q[None], [seq.generator])
     return TreeVerified(list(range(verified.num_accepted[0])), verified.tokens[0])

@@ -26,7 +26,6 @@ class Sequence:
     prompt_token_ids: list[int]
     params: SamplingParams
     generator: torch.Generator
-    seed: int = 0  # the generator's seed; with a position, the uniform the target's token there is drawn from
     output_token_ids: list[int] = field(default_factory=list)
     status: SequenceStatus = SequenceStatus.WAITING
     slot: int | None = None
@@ -43,8 +42,9 @@ class Sequence:
     logprobs: list[dict[int, float]] | None = None  # per output token, when params.logprobs is set
 
     def uniform(self, position: int) -> float:
-        """The uniform that the target's token at `position` (in prompt + output) is drawn from."""
-        return position_uniform(self.seed, position)
+        """The uniform that the target's token at `position` (in prompt + output) is drawn from: fixed by the
+        request's seed (its generator's) and the position."""
+        return position_uniform(self.generator.initial_seed(), position)
 
     @property
     def token_ids(self) -> list[int]:

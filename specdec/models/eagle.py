@@ -105,19 +105,15 @@ class DraftBlock(torch.nn.Module):
         and to row t of steps 1 … s, exactly what a depth-(s + 1) draft after position t sees. cos/sin cover
         positions 0 … T + steps − 2. Returns each step's output [B, T, H] (before any final norm)."""
         c = self.config
-        b, t, _ = embeds.shape
-        group = c.num_heads // c.num_kv_heads
+        t = embeds.shape[1]
         outputs, keys, values = [], [], []
         hidden = features
         for step in range(steps):
             shifted = embeds if step == 0 else F.pad(embeds[:, step:], (0, 0, 0, step))
             x, h = self.step_inputs(shifted, hidden, step)
-            rope = cos[step : step + t], sin[step : step + t]
-            q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), *rope).transpose(1, 2)
-            k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), *rope).transpose(1, 2)
-            v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-            keys.append(k.repeat_interleave(group, dim=1))
-            values.append(v.repeat_interleave(group, dim=1))
+            q, k, v = self.attention_inputs(h, cos[step : step + t], sin[step : step + t])
+            keys.append(k)
+            values.append(v)
             if step == 0:
                 attention = F.scaled_dot_product_attention(q, keys[0], values[0], is_causal=True)
             else:
@@ -128,11 +124,27 @@ class DraftBlock(torch.nn.Module):
                 weights = torch.cat((prefix, own), dim=-1).softmax(-1)
                 attention = weights[..., :t] @ values[0]
                 attention = attention + sum(weights[..., t + u, None] * value for u, value in enumerate(values[1:]))
-            x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
-            h = F.rms_norm(x, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
-            hidden = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+            hidden = self.block_output(x, attention)
             outputs.append(hidden)
         return outputs
+
+    def attention_inputs(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v [B, heads, T, head_dim] of the attention's input h [B, T, ·] (k, v repeated over each group)."""
+        c = self.config
+        b, t, _ = h.shape
+        group = c.num_heads // c.num_kv_heads
+        q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
+        k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
+        v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
+        return q, k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+
+    def block_output(self, x: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """The residual stream x [B, T, H] after the attention's output [B, heads, T, head_dim] and the MLP."""
+        c = self.config
+        b, t, _ = x.shape
+        x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
+        h = F.rms_norm(x, (c.hidden_size,), self.post_norm, c.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
 
     def block_parameters(self, prefix: str) -> dict[str, torch.nn.Parameter]:
         """The decoder layer's parameters under the official names, below `prefix`."""

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from specdec.kv_cache import KVCache
 from specdec.models import zoo
 from specdec.models.batch import ForwardBatch, ForwardOutput
-from specdec.models.decoder import Decoder, apply_rope
+from specdec.models.decoder import Decoder
 from specdec.models.eagle import (
     CONFIG_FILE,
     DraftBlock,
@@ -87,22 +87,12 @@ class MtpModule(DraftBlock):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 module: int) -> torch.Tensor:
         """embeds [B, T, H] (row p: token p + k), hidden [B, T, H] (h_{k−1}(p)) → h_k [B, T, H], as module k."""
-        c = self.config
-        b, t, _ = embeds.shape
         x = self.input_proj(torch.cat((self._norm(hidden, self.hidden_norm), self._norm(embeds, self.token_norm)), -1))
-        h = self._norm(x, self.input_norm)
-        q = apply_rope(self.q_proj(h).view(b, t, c.num_heads, c.head_dim), cos, sin).transpose(1, 2)
-        k = apply_rope(self.k_proj(h).view(b, t, c.num_kv_heads, c.head_dim), cos, sin).transpose(1, 2)
-        v = self.v_proj(h).view(b, t, c.num_kv_heads, c.head_dim).transpose(1, 2)
-        group = c.num_heads // c.num_kv_heads
-        rows = torch.arange(t)
+        q, k, v = self.attention_inputs(self._norm(x, self.input_norm), cos, sin)
+        rows = torch.arange(embeds.shape[1])
         seen = (rows[None, :] < rows[:, None] - skipped_rows(module)) | (rows[None, :] == rows[:, None])
-        attention = F.scaled_dot_product_attention(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
-                                                   attn_mask=seen)
-        x = x + self.o_proj(attention.transpose(1, 2).reshape(b, t, -1))
-        h = self._norm(x, self.post_norm)
-        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
-        return self._norm(x, self.final_norm)
+        attention = F.scaled_dot_product_attention(q, k, v, attn_mask=seen)
+        return self._norm(self.block_output(x, attention), self.final_norm)
 
     def _norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return F.rms_norm(x, (self.config.hidden_size,), weight, self.config.rms_norm_eps)

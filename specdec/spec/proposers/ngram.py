@@ -47,8 +47,12 @@ class NgramIndex:
 
     def propose(self, num_tokens: int) -> list[int]:
         """Up to num_tokens tokens after the latest earlier occurrence of the longest matching suffix."""
+        return self.propose_with_match(num_tokens)[0]
+
+    def propose_with_match(self, num_tokens: int) -> tuple[list[int], int]:
+        """`propose`'s tokens and the length of the match they follow (0: none)."""
         n, end = self.longest_match()
-        return continuation(self.tokens, end, num_tokens) if n and num_tokens > 0 else []
+        return (continuation(self.tokens, end, num_tokens) if n and num_tokens > 0 else []), n
 
 
 def continuation(tokens: Seq[int], start: int, num_tokens: int) -> list[int]:
@@ -73,13 +77,8 @@ class NgramProposer:
         self._indexes: dict[Sequence, NgramIndex] = {}
 
     def propose(self, seqs: Seq[Sequence], num_tokens: Seq[int]) -> Draft:
-        drafts, match_lengths = [], []
-        for seq, num in zip(seqs, num_tokens):
-            index = self._index(seq)
-            n, end = index.longest_match()
-            drafts.append(continuation(index.tokens, end, num) if n and num > 0 else [])
-            match_lengths.append(n)
-        return Draft.deterministic(drafts, strata=match_lengths)
+        found = [self._index(seq).propose_with_match(n) for seq, n in zip(seqs, num_tokens)]
+        return Draft.deterministic([tokens for tokens, _ in found], strata=[length for _, length in found])
 
     def observe(self, seqs: Seq[Sequence], hidden: Seq[torch.Tensor] | None = None) -> None:
         for seq in seqs:
