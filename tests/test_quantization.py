@@ -68,7 +68,7 @@ def test_int8_linear_rows_are_batch_invariant_and_accurate(kernel):
 @needs_vnni
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.integers(1, 20),
+    rows=st.integers(1, 40),
     out_features=st.integers(1, 200),
     in_features=st.integers(1, 300),
     with_bias=st.booleans(),

@@ -63,7 +63,7 @@ def _medusa(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> P
     from specdec.spec.tree import TokenTree
 
     directory = _heads_dir(spec, engine, default_heads_dir, "Medusa heads")
-    heads = MedusaHeads.load(directory)
+    heads = MedusaHeads.load(directory).to(target.device, target.dtype)  # run beside the target, in its format
     if heads.config.hidden_size != target.config.hidden_size:
         raise ValueError(f"the Medusa heads at {directory} read hidden size {heads.config.hidden_size}, the target "
                          f"has {target.config.hidden_size}: they were trained for another model")

@@ -209,8 +209,6 @@ class Decoder:
             end = start + n
             cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
             keys, values = cache.view(layer, slot, cached + n)
-            # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
-            queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
             if isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens):
                 # Decode/verify sizes: each token attends alone to exactly the keys a one-token step would see, laid
                 # out as that step would have them, so its result is bitwise the step's, whatever else shares the
@@ -227,19 +225,23 @@ class Decoder:
                         path = seen[i]
                         cache.write(layer, slot, cached, k[start + path].transpose(0, 1), v[start + path].transpose(0, 1))
                         length = len(path)
+                    # token i's query heads are contiguous in q: [1, kv_heads, group, head_dim] without a copy
                     rows[i] = F.scaled_dot_product_attention(
-                        queries[:, :, i][None].contiguous(), keys[None, :, : cached + length], values[None, :, : cached + length]
+                        q[start + i].view(1, c.num_kv_heads, group, c.head_dim),
+                        keys[None, :, : cached + length], values[None, :, : cached + length],
                     )
                 if any(s is not None for s in seen):
                     cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-                out = torch.stack(rows, dim=3)  # [1, kv_heads, group, n, head_dim]
+                outputs.append(torch.cat(rows).view(n, -1))  # [n, kv_heads · group · head_dim]
             else:
                 if mask is None:
                     mask = self._causal_mask(cached, n)
+                # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
+                queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
                 out = F.scaled_dot_product_attention(
                     queries.reshape(1, c.num_kv_heads, group * n, c.head_dim), keys[None], values[None], attn_mask=mask
                 )
-            outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
+                outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 

@@ -41,11 +41,12 @@ class MedusaProposer:
             return Draft.empty(len(seqs))
         depth = min(self.tree.max_depth, max(num_tokens[i] for i in rows))
         with torch.inference_mode():
-            states = self.heads(torch.stack([self._hidden[seqs[i]] for i in rows]).float(), depth)
+            states = self.heads(torch.stack([self._hidden[seqs[i]] for i in rows]), depth)
             logits = self.project(states.reshape(-1, states.shape[-1])).view(len(rows), depth, -1)
             candidates = logits.topk(self._width, dim=-1).indices  # [rows, depth, width]
-        if self.heads.vocab is not None:
-            candidates = self.heads.vocab[candidates]
+            if self.heads.vocab is not None:
+                candidates = self.heads.vocab[candidates]
+            candidates = candidates.cpu()
         trees: list[TokenTree | None] = [None] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         for r, i in enumerate(rows):
