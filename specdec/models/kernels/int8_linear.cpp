@@ -18,6 +18,7 @@
 #include <cstring>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -171,7 +172,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   TORCH_CHECK(kp == (k + 3) / 4 * 4, "int8 linear: input has ", k, " features");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  std::vector<uint8_t> xq(m * kp);
+  std::unique_ptr<uint8_t[]> xq(new uint8_t[m * kp]);  // not zeroed: quantize_rows writes every byte
   std::vector<float> row_scale(m);
   const int8_t* p = packed.data_ptr<int8_t>();
   const int32_t* cs = colsum.data_ptr<int32_t>();
@@ -183,7 +184,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   const int64_t max_rows = kMaxAccumulators / nr;
   const int64_t row_tiles = (m + max_rows - 1) / max_rows;
   const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;
-  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.data(), row_scale.data());
+  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data());
   const TileFn* tiles = row_tiles > 1 ? kRowMajorTiles4.data()
                         : nr == 4    ? kTiles4.data()
                         : nr == 2    ? kTiles2.data()
@@ -205,7 +206,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
           const int last = share ? static_cast<int>((pass + 1) * kPanelZmm / passes) : 0;
           const Prefetch prefetch{reinterpret_cast<const char*>(panel + j0 * 64 + kPrefetchSteps * kStepBytes),
                                   pass == 0, next_panel, first, last};
-          tiles[mr - 1](xq.data() + m0 * row_stride, row_stride, step_stride, steps, panel + j0 * 64, prefetch, acc);
+          tiles[mr - 1](xq.get() + m0 * row_stride, row_stride, step_stride, steps, panel + j0 * 64, prefetch, acc);
           const int64_t width = std::min<int64_t>(nr * kLanes, cols - j0 * kLanes);
           for (int r = 0; r < mr; ++r) {
             const __m512 rs = _mm512_set1_ps(row_scale[m0 + r]);

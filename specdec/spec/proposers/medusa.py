@@ -46,13 +46,13 @@ class MedusaProposer:
             candidates = logits.topk(self._width, dim=-1).indices  # [rows, depth, width]
             if self.heads.vocab is not None:
                 candidates = self.heads.vocab[candidates]
-            candidates = candidates.cpu()
+            candidates = candidates.tolist()  # one copy to the host, then plain indexing per tree node
         trees: list[TokenTree | None] = [None] * len(seqs)
         drafts: list[list[int]] = [[] for _ in seqs]
         for r, i in enumerate(rows):
             tree, _ = self.tree.pruned(min(depth, num_tokens[i]))
             trees[i] = tree
-            drafts[i] = [int(candidates[r, d - 1, rank]) for d, rank in zip(tree.depths, tree.ranks)]
+            drafts[i] = [candidates[r][d - 1][rank] for d, rank in zip(tree.depths, tree.ranks)]
         draft = Draft.deterministic(drafts)
         return Draft(draft.tokens, draft.num_tokens, None, trees=trees)
 
