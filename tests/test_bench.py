@@ -73,6 +73,11 @@ def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
         assert all(0 < r["roofline_ms"][c][k] for c in r["roofline_ms"] for k in r["roofline_ms"][c])
         c = r["ceilings"]
         assert c["read_bytes_per_s"] == max(c["readers"].values()) and c["fp32_macs_per_s"] > 0
+        # ceilings taken after each of the 5 rounds, each round's times against them
+        rounds = r["ceilings_by_round"]
+        assert len(rounds) == 5 and all(c["read_bytes_per_s"] >= x["read_bytes_per_s"] for x in rounds)
+        assert all(len(r["curve"]["samples"][ctx][k]) == 5 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
+        assert all(r["round_ratio"][ctx][k] > 0 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
         assert r["prefill"]["prompt_tokens"] == 511 and r["nll"] > 0  # the held text, cut to the tiny context
     assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3
     assert (out / "cost_curve.png").stat().st_size > 10_000

@@ -12,6 +12,7 @@ yardstick. Each measured curve is also written to the per-machine cache the engi
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 from collections.abc import Sequence
@@ -36,24 +37,35 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
 
     torch.set_num_threads(spec.threads)
     from specdec import LLM
-    from specdec.models.roofline import ForwardWork, measure_ceilings
+    from specdec.models.cost_curve import cost_curve_path, measure_cost_curve, save_cost_curve
+    from specdec.models.roofline import Ceilings, ForwardWork, measure_ceilings
+    from specdec.models.zoo import cache_dir
 
     llm = LLM(spec.model, quantization=spec.quantization, max_num_seqs=1)
     model = llm.engine.model
     work = ForwardWork.of(model)
-    # the machine drifts: ceilings are measured before and after the curve and the decode passes,
-    # and each is taken at its best (a ceiling is what the machine has shown it can do)
+    # The machine drifts (read bandwidth by up to 2× within minutes): ceilings are measured before and after the
+    # curve and the decode passes, and after every round of the curve. Two ratios follow: against each ceiling at
+    # its best over the run (what the machine has shown it can do), and each round's times against the ceilings
+    # taken beside them (median over rounds), which a slow stretch does not inflate.
     before = measure_ceilings()
-    curve = llm.cost_curve(refresh=True)  # measured now, and cached for the engine
+    by_round: list[Ceilings] = []
+    curve = measure_cost_curve(model, after_round=lambda: by_round.append(measure_ceilings(repeats=3)))
+    save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
     passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
     after = measure_ceilings()
-    ceilings = before.best(after)
+    ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
+    round_ratio = {
+        c: {k: statistics.median(t / work.roofline_ms(k, c, cr) for t, cr in zip(times, by_round)) for k, times in row.items()}
+        for c, row in curve.samples.items()
+    }
     ids = llm.get_tokenizer().encode(held_text())[: llm.config.max_model_len - 1]
     return {
         **passes, "ttft_s": ttft[1:], "tpot_s": tpot[1:],
-        "ceilings": ceilings.to_json(), "ceilings_before": before.to_json(), "ceilings_after": after.to_json(), "work": work.__dict__, "curve": curve.to_json(), "roofline_ms": roofline,
-        "prefill": _prefill(llm, ids), "nll": _mean_nll(model, ids),
+        "ceilings": ceilings.to_json(), "ceilings_before": before.to_json(), "ceilings_after": after.to_json(),
+        "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
+        "roofline_ms": roofline, "round_ratio": round_ratio, "prefill": _prefill(llm, ids), "nll": _mean_nll(model, ids),
     }
 
 
@@ -125,30 +137,38 @@ def curve_table(results: list[dict[str, Any]], argv: Sequence[str], plot: Path) 
         "median of 5 rounds that each sweep every (context, k) in turn; in brackets the ratio to roofline(k) = max(bytes read / "
         "bandwidth, MACs / MAC rate), bytes = weights in their format + the KV cache, MACs = linear layers at the "
         "format's rate + attention at the fp32 rate; both ceilings measured in the same worker before and after "
-        "the curve and the decode passes, each taken at its best (bandwidth = the fastest of: fp32 sum, oneDNN's fp32 "
-        f"and int8 matrix-vector products and specdec's int8 kernel where it runs, over 512 MiB; int8 MAC rate: the "
-        f"faster int8 kernel). Plot: `{plot.name}`. {environment_line()}",
+        "the curve and the decode passes and after each round of the curve (bandwidth = the fastest of: fp32 sum, "
+        "oneDNN's fp32 and int8 matrix-vector products and specdec's int8 kernel where it runs, over 512 MiB; int8 "
+        "MAC rate: the faster int8 kernel). Two ratios: against each ceiling at its best over the run · median over "
+        "rounds of each round's times against the ceilings measured right after that round (the machine's memory "
+        f"bandwidth drifts by up to 2× within minutes). Plot: `{plot.name}` (best ceilings). {environment_line()}",
         "",
-        "| model | format | read GB/s: best (before, after) | fastest reader | fp32 G MAC/s | int8 G MAC/s |",
+        "| model | format | read GB/s: best (before, rounds min–max, after) | fastest reader | fp32 G MAC/s: best (rounds) | int8 G MAC/s: best (rounds) |",
         "|---|---|---|---|---|---|",
     ]
     for r in runs:
-        c, before, after = r["ceilings"], r["ceilings_before"], r["ceilings_after"]
-        int8 = f"{c['int8_macs_per_s'] / 1e9:.0f}" if c["int8_macs_per_s"] else "—"
+        c, before, after, rounds = r["ceilings"], r["ceilings_before"], r["ceilings_after"], r["ceilings_by_round"]
         reader = max(c["readers"], key=c["readers"].get)
         lines.append(f"| {r['spec']['model']} | {_fmt(r)} | {c['read_bytes_per_s'] / 1e9:.1f} "
-                     f"({before['read_bytes_per_s'] / 1e9:.1f}, {after['read_bytes_per_s'] / 1e9:.1f}) | {reader} | "
-                     f"{c['fp32_macs_per_s'] / 1e9:.0f} | {int8} |")
+                     f"({before['read_bytes_per_s'] / 1e9:.1f}, {_range(rounds, 'read_bytes_per_s', '.1f')}, "
+                     f"{after['read_bytes_per_s'] / 1e9:.1f}) | {reader} | {c['fp32_macs_per_s'] / 1e9:.0f} "
+                     f"({_range(rounds, 'fp32_macs_per_s', '.0f')}) | " + (
+                         f"{c['int8_macs_per_s'] / 1e9:.0f} ({_range(rounds, 'int8_macs_per_s', '.0f')})" if c["int8_macs_per_s"] else "—") + " |")
     ks = [k for k in DEFAULT_KS]
     lines += ["", "| model | format | context | " + " | ".join(f"k={k}" for k in ks) + " |",
               "|---|---|---|" + "---|" * len(ks)]
     for r in runs:
         for context in sorted(r["curve"]["ms"], key=int):
-            row = r["curve"]["ms"][context]
-            roof = r["roofline_ms"][context]
-            cells = [f"{row[str(k)]:.0f} ({row[str(k)] / roof[str(k)]:.2f})" if str(k) in row else "—" for k in ks]
+            row, roof, paired = r["curve"]["ms"][context], r["roofline_ms"][context], r["round_ratio"][context]
+            cells = [f"{row[str(k)]:.0f} ({row[str(k)] / roof[str(k)]:.2f} · {paired[str(k)]:.2f})" if str(k) in row else "—"
+                     for k in ks]
             lines.append(f"| {r['spec']['model']} | {_fmt(r)} | {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _range(ceilings: list[dict[str, Any]], key: str, spec: str) -> str:
+    values = [c[key] / 1e9 for c in ceilings]
+    return f"{min(values):{spec}}–{max(values):{spec}}"
 
 
 def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> str:

@@ -13,6 +13,7 @@ import os
 import platform
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -24,16 +25,18 @@ from specdec.models.decoder import Decoder
 # up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
 # priced from them: per token it costs far more than the slope of the small-k end suggests)
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
-CURVE_VERSION = 3  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+CURVE_VERSION = 4  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Median ms per forward: `ms[context][k]` (keys as measured), with (min, max) spreads."""
+    """Median ms per forward: `ms[context][k]` (keys as measured), with (min, max) spreads and, where kept, every
+    round's time (`samples[context][k][round]`)."""
 
     ms: dict[int, dict[int, float]]
     spread: dict[int, dict[int, tuple[float, float]]]
+    samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
     _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # `ms`, made monotone
 
     def __post_init__(self) -> None:
@@ -63,13 +66,14 @@ class CostCurve:
         return self.forward_ms(k, context) / self.forward_ms(1, context)
 
     def to_json(self) -> dict:
-        return {"ms": self.ms, "spread": self.spread}
+        return {"ms": self.ms, "spread": self.spread, "samples": self.samples}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostCurve":
         return cls(
             ms={int(c): {int(k): float(v) for k, v in row.items()} for c, row in data["ms"].items()},
             spread={int(c): {int(k): tuple(v) for k, v in row.items()} for c, row in data["spread"].items()},
+            samples={int(c): {int(k): list(v) for k, v in row.items()} for c, row in data.get("samples", {}).items()},
         )
 
 
@@ -96,11 +100,17 @@ def monotone(row: dict[int, float]) -> dict[int, float]:
 
 @torch.inference_mode()
 def measure_cost_curve(
-    model: Decoder, ks: tuple[int, ...] = DEFAULT_KS, contexts: tuple[int, ...] = DEFAULT_CONTEXTS, repeats: int = 5
+    model: Decoder,
+    ks: tuple[int, ...] = DEFAULT_KS,
+    contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
+    repeats: int = 5,
+    after_round: Callable[[], object] | None = None,
 ) -> CostCurve:
     """Time forwards over k new tokens (logits at every row, as verification needs) after a cached
     context. Each round sweeps every (context, k) in turn, so that machine noise (memory bandwidth
-    here drifts by tens of percent over minutes) spreads over the whole curve, not one point."""
+    here drifts by tens of percent over minutes) spreads over the whole curve, not one point.
+    `after_round` runs after each measured round (the bench measures the machine's ceilings there, so
+    each round's times have ceilings taken beside them)."""
     g = torch.Generator().manual_seed(0)
     cache = model.new_kv_cache(len(contexts), max(contexts) + max(ks))
     slots = {}
@@ -122,9 +132,11 @@ def measure_cost_curve(
                 cache.truncate(slots[context], context)
                 if round_:
                     times[context][k].append(elapsed)
+        if round_ and after_round is not None:
+            after_round()
     ms = {c: {k: statistics.median(t) for k, t in row.items()} for c, row in times.items()}
     spread = {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in times.items()}
-    return CostCurve(ms, spread)
+    return CostCurve(ms, spread, times)
 
 
 def machine_fingerprint(device: torch.device | str = "cpu") -> str:

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.kv_cache import KVCache
+from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, ForwardOutput
 from specdec.models.linear import Linear
 
@@ -118,6 +119,10 @@ class Decoder:
         # a sequence feeding at most this many causal tokens in a forward gets each token's row exactly as if
         # it were fed alone (the engine keeps speculative steps within it)
         self.row_invariant_tokens = ROW_INVARIANT_TOKENS
+        # those rows' RoPE, KV write and attention: specdec's AVX-512 kernel, one call per layer, where it runs; else
+        # PyTorch ops and an attention call per row
+        cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
+        self.row_attention = kernels.row_attention() if cpu_float32 else None
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -168,10 +173,10 @@ class Decoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
 
-    def _row_masks(self, mask: torch.Tensor | None, cached: int, n: int) -> list[torch.Tensor | None] | torch.Tensor | None:
+    def _row_masks(self, mask: torch.Tensor | None, cached: int, n: int) -> list[list[int] | None] | torch.Tensor | None:
         """How `_attention` treats a sequence's rows: None (causal); for a tree within `row_invariant_tokens` (each
         row sees every cached token, itself, and earlier new tokens only), one entry per row: None where the row
-        sees exactly its own prefix, else the new tokens it sees (a node's ancestors, then itself); for any other
+        sees exactly its own prefix, else the indices of the new tokens it sees (a node's ancestors, then itself); for any other
         mask, the mask, repeated per query head of a KV group (queries are laid out [kv_head, group * n])."""
         if mask is None:
             return None
@@ -180,7 +185,7 @@ class Decoder:
         tree_like = bool(mask[:, :cached].all()) and bool(new.diagonal().all()) and not new.triu(diagonal=1).any()
         if n > self.row_invariant_tokens or not tree_like:
             return mask.repeat(self.config.num_heads // self.config.num_kv_heads, 1)
-        seen = [row.nonzero().flatten() for row in new]
+        seen = [row.nonzero().flatten().tolist() for row in new]
         return [None if len(s) == i + 1 else s for i, s in enumerate(seen)]
 
     def _causal_mask(self, cached: int, n: int) -> torch.Tensor:
@@ -194,56 +199,73 @@ class Decoder:
         sin: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
-        masks: list[list[torch.Tensor | None] | torch.Tensor | None],
+        masks: list[list[list[int] | None] | torch.Tensor | None],
         cache: KVCache,
     ) -> torch.Tensor:
         c = self.config
         q_size, kv_size = c.num_heads * c.head_dim, c.num_kv_heads * c.head_dim
-        # q and k heads side by side get their rotation in one pass
-        qk = apply_rope(qkv[:, : q_size + kv_size].view(-1, c.num_heads + c.num_kv_heads, c.head_dim), cos, sin)
-        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
-        v = qkv[:, q_size + kv_size :].view(-1, c.num_kv_heads, c.head_dim)
         group = c.num_heads // c.num_kv_heads
         outputs, start = [], 0
         for slot, cached, n, mask in zip(batch.slots, batch.cache_lens, batch.num_new, masks):
             end = start + n
-            cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
+            # Decode/verify sizes: each token attends alone to exactly the keys a one-token step would see, in the
+            # order that step would have them, so its result is bitwise the step's, whatever else shares the forward
+            # (batch invariance: with exact int8 sums this makes plain and speculative greedy decoding
+            # token-identical). A tree node off the first branch sees the cache, then its ancestors and itself.
+            # Prefill chunks take one causal kernel call instead (each row here would re-read the KV cache).
+            by_row = isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens)
+            if by_row and self.row_attention is not None:
+                keys, values = cache.view(layer, slot, cached + n)  # the kernel writes the new tokens' K and V
+                paths = [] if mask is None else [path or [] for path in mask]
+                scale = 1.0 / c.head_dim**0.5  # as PyTorch's attention
+                outputs.append(self.row_attention.attend(qkv[start:end], cos[start:end], sin[start:end], keys, values,
+                                                         cached, paths, scale))
+                start = end
+                continue
+            # q and k heads side by side get their rotation in one pass
+            rows = qkv[start:end]
+            qk = apply_rope(rows[:, : q_size + kv_size].view(n, c.num_heads + c.num_kv_heads, c.head_dim),
+                            cos[start:end], sin[start:end])
+            q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+            v = rows[:, q_size + kv_size :].view(n, c.num_kv_heads, c.head_dim)
+            cache.write(layer, slot, cached, k.transpose(0, 1), v.transpose(0, 1))
             keys, values = cache.view(layer, slot, cached + n)
-            if isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens):
-                # Decode/verify sizes: each token attends alone to exactly the keys a one-token step would see, laid
-                # out as that step would have them, so its result is bitwise the step's, whatever else shares the
-                # forward (batch invariance: with exact int8 sums this makes plain and speculative greedy decoding
-                # token-identical). A tree node off the first branch sees the cache, then its ancestors and itself:
-                # those are copied to follow the cache before its call (a few rows), and the new tokens' own
-                # layout is written back after. Prefill chunks take one causal kernel call instead (each row here
-                # re-reads the KV cache). 4-D inputs take PyTorch's fused CPU attention kernel.
-                seen = [None] * n if mask is None else mask
-                rows: list[torch.Tensor | None] = [None] * n
-                for i in sorted(range(n), key=lambda i: seen[i] is not None):  # rows that see their own prefix first
-                    length = i + 1
-                    if seen[i] is not None:
-                        path = seen[i]
-                        cache.write(layer, slot, cached, k[start + path].transpose(0, 1), v[start + path].transpose(0, 1))
-                        length = len(path)
-                    # token i's query heads are contiguous in q: [1, kv_heads, group, head_dim] without a copy
-                    rows[i] = F.scaled_dot_product_attention(
-                        q[start + i].view(1, c.num_kv_heads, group, c.head_dim),
-                        keys[None, :, : cached + length], values[None, :, : cached + length],
-                    )
-                if any(s is not None for s in seen):
-                    cache.write(layer, slot, cached, k[start:end].transpose(0, 1), v[start:end].transpose(0, 1))
-                outputs.append(torch.cat(rows).view(n, -1))  # [n, kv_heads · group · head_dim]
+            if by_row:
+                outputs.append(self._sdpa_rows(q, k, v, [None] * n if mask is None else mask, keys, values, cache, layer, slot, cached))
             else:
                 if mask is None:
                     mask = self._causal_mask(cached, n)
                 # GQA without repeating K/V: the `group` query heads sharing a KV head become extra query rows.
-                queries = q[start:end].view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
+                queries = q.view(n, c.num_kv_heads, group, c.head_dim).permute(1, 2, 0, 3)
                 out = F.scaled_dot_product_attention(
                     queries.reshape(1, c.num_kv_heads, group * n, c.head_dim), keys[None], values[None], attn_mask=mask
                 )
                 outputs.append(out.view(c.num_kv_heads, group, n, c.head_dim).permute(2, 0, 1, 3).reshape(n, -1))
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
+
+    def _sdpa_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: list[list[int] | None],
+                   keys: torch.Tensor, values: torch.Tensor, cache: KVCache, layer: int, slot: int, cached: int) -> torch.Tensor:
+        """Attention of rows that must each be their own one-token step, by a PyTorch call per row (4-D inputs: its
+        fused CPU kernel), where `row_attention` doesn't run. A tree node's path is copied to follow the cache before
+        its call, and the new tokens' own layout is written back after."""
+        c = self.config
+        n, group = len(seen), c.num_heads // c.num_kv_heads
+        rows: list[torch.Tensor | None] = [None] * n
+        for i in sorted(range(n), key=lambda i: seen[i] is not None):  # rows that see their own prefix first
+            length = i + 1
+            if seen[i] is not None:
+                path = seen[i]
+                cache.write(layer, slot, cached, k[path].transpose(0, 1), v[path].transpose(0, 1))
+                length = len(path)
+            # token i's query heads are contiguous in q: [1, kv_heads, group, head_dim] without a copy
+            rows[i] = F.scaled_dot_product_attention(
+                q[i].view(1, c.num_kv_heads, group, c.head_dim),
+                keys[None, :, : cached + length], values[None, :, : cached + length],
+            )
+        if any(s is not None for s in seen):
+            cache.write(layer, slot, cached, k.transpose(0, 1), v.transpose(0, 1))
+        return torch.cat(rows).view(n, -1)  # [n, kv_heads · group · head_dim]
 
 
 def _causal(cached: int, n: int, device: torch.device) -> torch.Tensor:

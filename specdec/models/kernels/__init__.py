@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 INT8_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+ROW_ATTENTION_FLAGS = ("avx512f",)
 
 
 def cpu_flags() -> set[str]:
@@ -20,7 +21,7 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def _build(name: str, source: str, flags: tuple[str, ...]) -> ModuleType | None:
+def _build(name: str, source: str, flags: tuple[str, ...], extra_cflags: tuple[str, ...] = ()) -> ModuleType | None:
     """Compile `source` for the instruction sets `flags` (as /proc/cpuinfo names them), checked first: code built
     for them must not even load on a CPU without them."""
     if not set(flags) <= cpu_flags():
@@ -31,7 +32,7 @@ def _build(name: str, source: str, flags: tuple[str, ...]) -> ModuleType | None:
         return load(
             name=name,
             sources=[str(Path(__file__).with_name(source))],
-            extra_cflags=["-O3", "-fopenmp", *(f"-m{flag.replace('_', '')}" for flag in flags)],
+            extra_cflags=["-O3", "-fopenmp", *(f"-m{flag.replace('_', '')}" for flag in flags), *extra_cflags],
             extra_ldflags=["-fopenmp"],
         )
     except Exception as error:  # no compiler, headers or linker: PyTorch's kernels still work
@@ -44,3 +45,11 @@ def int8_vnni() -> ModuleType | None:
     """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None."""
     return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
 
+
+
+@functools.cache
+def row_attention() -> ModuleType | None:
+    """The AVX-512 RoPE, KV write and attention of a step's few new tokens, each row on its own (row_attention.cpp),
+    or None. Built without contracting a · b + c into fused multiply-adds where the source doesn't ask for them: its
+    RoPE must round as PyTorch's elementwise ops do."""
+    return _build("specdec_row_attention", "row_attention.cpp", ROW_ATTENTION_FLAGS, ("-ffp-contract=off",))

@@ -1,0 +1,123 @@
+"""specdec's attention kernel for a step's new tokens (kernels/row_attention.cpp): RoPE and the cache write bitwise
+PyTorch's, attention accurate against a float64 reference, and each row bitwise the one-token step that sees the
+same keys (batch invariance)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.models import kernels
+from specdec.models.batch import ForwardBatch, SequenceInput
+from specdec.models.decoder import apply_rope
+from specdec.models.loader import load_decoder
+
+pytestmark = pytest.mark.skipif(kernels.row_attention() is None, reason="no AVX-512 on this CPU (or no compiler)")
+
+
+def _problem(heads: int, kv_heads: int, dim: int, cached: int, n: int, seed: int):
+    """A layer's fused projections for n new tokens, their RoPE tables, and a slot's cache holding `cached` tokens."""
+    g = torch.Generator().manual_seed(seed)
+    qkv = torch.randn(n, (heads + 2 * kv_heads) * dim, generator=g)
+    angles = torch.rand(n, dim // 2, generator=g) * 50
+    cos, sin = torch.cat((angles, angles), dim=1).cos(), torch.cat((angles, angles), dim=1).sin()
+    room = cached + n + 5
+    keys = torch.randn(kv_heads, room, dim, generator=g)
+    values = torch.randn(kv_heads, room, dim, generator=g)
+    return qkv, cos, sin, keys, values
+
+
+def _split(qkv, cos, sin, heads: int, kv_heads: int, dim: int):
+    """What the PyTorch path computes: rotated q and k, and v."""
+    qk = apply_rope(qkv[:, : (heads + kv_heads) * dim].view(-1, heads + kv_heads, dim), cos, sin)
+    return qk[:, :heads], qk[:, heads:], qkv[:, (heads + kv_heads) * dim :].view(-1, kv_heads, dim)
+
+
+def _reference(q, keys, values, positions: list[int]) -> torch.Tensor:
+    kv_heads, dim = keys.shape[0], keys.shape[2]
+    query = q.double().reshape(kv_heads, -1, dim)
+    k, v = keys[:, positions].double(), values[:, positions].double()
+    return F.scaled_dot_product_attention(query[None], k[None], v[None])[0].reshape(-1)
+
+
+@st.composite
+def trees(draw, n: int) -> list[list[int]]:
+    """A random token tree over n new tokens in topological order: each node's path (ancestors, then itself)."""
+    paths: list[list[int]] = []
+    for i in range(n):
+        parent = draw(st.integers(-1, i - 1))
+        paths.append((paths[parent] if parent >= 0 else []) + [i])
+    return paths
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    shape=st.sampled_from([(12, 2, 128), (14, 2, 64), (4, 2, 4), (2, 1, 20), (6, 3, 136)]),
+    cached=st.integers(0, 300),
+    n=st.integers(1, 20),
+    tree=st.booleans(),
+    seed=st.integers(0, 2**16),
+    data=st.data(),
+)
+def test_rows_match_a_float64_reference_and_their_own_step_bitwise(shape, cached, n, tree, seed, data):
+    heads, kv_heads, dim = shape
+    qkv, cos, sin, keys, values = _problem(heads, kv_heads, dim, cached, n, seed)
+    cached_keys, cached_values = keys[:, :cached].clone(), values[:, :cached].clone()
+    paths = data.draw(trees(n)) if tree else []
+    kernel = kernels.row_attention()
+    scale = 1 / math.sqrt(dim)
+    out = kernel.attend(qkv, cos, sin, keys, values, cached, paths, scale)
+    assert out.shape == (n, heads * dim)
+    # the new tokens' keys and values are written as the PyTorch path writes them, bitwise; the cache is kept
+    q, k, v = _split(qkv, cos, sin, heads, kv_heads, dim)
+    assert torch.equal(keys[:, cached : cached + n], k.transpose(0, 1))
+    assert torch.equal(values[:, cached : cached + n], v.transpose(0, 1))
+    assert torch.equal(keys[:, :cached], cached_keys) and torch.equal(values[:, :cached], cached_values)
+    for i in range(n):
+        path = paths[i] if paths else list(range(i + 1))
+        positions = list(range(cached)) + [cached + p for p in path]
+        torch.testing.assert_close(out[i].double(), _reference(q[i], keys, values, positions), atol=2e-6, rtol=1e-5)
+        # the one-token step of the same token: its path laid out after the cache, attending alone
+        step_keys, step_values = keys[:, positions].clone(), values[:, positions].clone()
+        step = kernel.attend(qkv[i : i + 1], cos[i : i + 1], sin[i : i + 1], step_keys, step_values,
+                             len(positions) - 1, [], scale)
+        assert torch.equal(step[0], out[i])
+
+
+def test_bad_inputs_are_refused():
+    qkv, cos, sin, keys, values = _problem(4, 2, 16, 3, 2, 0)
+    kernel = kernels.row_attention()
+    with pytest.raises(RuntimeError, match="outside the new tokens"):
+        kernel.attend(qkv, cos, sin, keys, values, 3, [[0], [0, 2]], 0.25)
+    with pytest.raises(RuntimeError, match="one path per row"):
+        kernel.attend(qkv, cos, sin, keys, values, 3, [[0]], 0.25)
+    with pytest.raises(RuntimeError, match="past the cache"):
+        kernel.attend(qkv, cos, sin, keys[:, :4], values[:, :4], 3, [], 0.25)
+
+
+@pytest.mark.parametrize("fixture", ["tiny_qwen", "tiny_llama"])
+def test_decoder_with_the_kernel_agrees_with_pytorch_attention(fixture, request):
+    """The same forwards (prefill, chain verification, a tree) with the kernel and with PyTorch's per-row calls."""
+    decoder = load_decoder(request.getfixturevalue(fixture))
+    assert decoder.row_attention is not None
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    logits = {}
+    for name, attention in (("kernel", decoder.row_attention), ("pytorch", None)):
+        decoder.row_attention = attention
+        cache = decoder.new_kv_cache(1, 64)
+        slot = cache.allocate()
+        prefill = decoder.forward(ForwardBatch.build([SequenceInput(slot, list(range(3, 20)))], [0]), cache)
+        chain = decoder.forward(ForwardBatch.build([SequenceInput(slot, [7, 8, 9, 10, 11])], [17]), cache)
+        cache.truncate(slot, 17)
+        mask = torch.cat((torch.ones(4, 17, dtype=torch.bool), tree), dim=1)
+        branch = decoder.forward(
+            ForwardBatch.build([SequenceInput(slot, [5, 6, 7, 8], positions=[17, 18, 18, 19], mask=mask)], [17]), cache
+        )
+        logits[name] = (prefill.logits, chain.logits, branch.logits)
+    for kernel_logits, pytorch_logits in zip(logits["kernel"], logits["pytorch"]):
+        torch.testing.assert_close(kernel_logits, pytorch_logits, atol=1e-4, rtol=1e-4)
