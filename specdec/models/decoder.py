@@ -173,9 +173,9 @@ class Decoder:
         emb = torch.cat((freqs, freqs), dim=-1)
         return (emb.cos() * self.attention_scaling).to(self.dtype), (emb.sin() * self.attention_scaling).to(self.dtype)
 
-    def _row_masks(self, mask: torch.Tensor | None, cached: int, n: int) -> list[list[int] | None] | torch.Tensor | None:
+    def _row_masks(self, mask: torch.Tensor | None, cached: int, n: int) -> list[list[int]] | torch.Tensor | None:
         """How `_attention` treats a sequence's rows: None (causal); for a tree within `row_invariant_tokens` (each
-        row sees every cached token, itself, and earlier new tokens only), one entry per row: None where the row
+        row sees every cached token, itself, and earlier new tokens only), one entry per row: [] where the row
         sees exactly its own prefix, else the indices of the new tokens it sees (a node's ancestors, then itself); for any other
         mask, the mask, repeated per query head of a KV group (queries are laid out [kv_head, group * n])."""
         if mask is None:
@@ -186,7 +186,7 @@ class Decoder:
         if n > self.row_invariant_tokens or not tree_like:
             return mask.repeat(self.config.num_heads // self.config.num_kv_heads, 1)
         seen = [row.nonzero().flatten().tolist() for row in new]
-        return [None if len(s) == i + 1 else s for i, s in enumerate(seen)]
+        return [[] if len(s) == i + 1 else s for i, s in enumerate(seen)]
 
     def _causal_mask(self, cached: int, n: int) -> torch.Tensor:
         group = self.config.num_heads // self.config.num_kv_heads
@@ -199,7 +199,7 @@ class Decoder:
         sin: torch.Tensor,
         layer: int,
         batch: ForwardBatch,
-        masks: list[list[list[int] | None] | torch.Tensor | None],
+        masks: list[list[list[int]] | torch.Tensor | None],
         cache: KVCache,
     ) -> torch.Tensor:
         c = self.config
@@ -216,10 +216,9 @@ class Decoder:
             by_row = isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens)
             if by_row and self.row_attention is not None:
                 keys, values = cache.view(layer, slot, cached + n)  # the kernel writes the new tokens' K and V
-                paths = [] if mask is None else [path or [] for path in mask]
                 scale = 1.0 / c.head_dim**0.5  # as PyTorch's attention
                 outputs.append(self.row_attention.attend(qkv[start:end], cos[start:end], sin[start:end], keys, values,
-                                                         cached, paths, scale))
+                                                         cached, mask or [], scale))
                 start = end
                 continue
             # q and k heads side by side get their rotation in one pass
@@ -231,7 +230,7 @@ class Decoder:
             cache.write(layer, slot, cached, k.transpose(0, 1), v.transpose(0, 1))
             keys, values = cache.view(layer, slot, cached + n)
             if by_row:
-                outputs.append(self._sdpa_rows(q, k, v, [None] * n if mask is None else mask, keys, values, cache, layer, slot, cached))
+                outputs.append(self._sdpa_rows(q, k, v, mask or [[]] * n, keys, values, cache, layer, slot, cached))
             else:
                 if mask is None:
                     mask = self._causal_mask(cached, n)
@@ -244,18 +243,18 @@ class Decoder:
             start = end
         return torch.cat(outputs) if len(outputs) > 1 else outputs[0]
 
-    def _sdpa_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seen: list[list[int] | None],
+    def _sdpa_rows(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, paths: list[list[int]],
                    keys: torch.Tensor, values: torch.Tensor, cache: KVCache, layer: int, slot: int, cached: int) -> torch.Tensor:
         """Attention of rows that must each be their own one-token step, by a PyTorch call per row (4-D inputs: its
-        fused CPU kernel), where `row_attention` doesn't run. A tree node's path is copied to follow the cache before
-        its call, and the new tokens' own layout is written back after."""
+        fused CPU kernel), where `row_attention` doesn't run; `paths` as `_row_masks` gives them. A tree node's path is
+        copied to follow the cache before its call, and the new tokens' own layout is written back after."""
         c = self.config
-        n, group = len(seen), c.num_heads // c.num_kv_heads
+        n, group = len(paths), c.num_heads // c.num_kv_heads
         rows: list[torch.Tensor | None] = [None] * n
-        for i in sorted(range(n), key=lambda i: seen[i] is not None):  # rows that see their own prefix first
+        for i in sorted(range(n), key=lambda i: bool(paths[i])):  # rows that see their own prefix first
             length = i + 1
-            if seen[i] is not None:
-                path = seen[i]
+            if paths[i]:
+                path = paths[i]
                 cache.write(layer, slot, cached, k[path].transpose(0, 1), v[path].transpose(0, 1))
                 length = len(path)
             # token i's query heads are contiguous in q: [1, kv_heads, group, head_dim] without a copy
@@ -263,7 +262,7 @@ class Decoder:
                 q[i].view(1, c.num_kv_heads, group, c.head_dim),
                 keys[None, :, : cached + length], values[None, :, : cached + length],
             )
-        if any(s is not None for s in seen):
+        if any(paths):
             cache.write(layer, slot, cached, k.transpose(0, 1), v.transpose(0, 1))
         return torch.cat(rows).view(n, -1)  # [n, kv_heads · group · head_dim]
 

@@ -46,7 +46,6 @@ def int8_vnni() -> ModuleType | None:
     return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
 
 
-
 @functools.cache
 def row_attention() -> ModuleType | None:
     """The AVX-512 RoPE, KV write and attention of a step's few new tokens, each row on its own (row_attention.cpp),

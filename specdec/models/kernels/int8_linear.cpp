@@ -31,12 +31,6 @@ constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
 
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-         __builtin_cpu_supports("avx512vnni");
-}
-
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "pack: int8 [N, K] weights expected");
@@ -232,7 +226,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("cpu_supported", &cpu_supported);
   module.def("pack", &pack);
   module.def("linear", &linear);
 }

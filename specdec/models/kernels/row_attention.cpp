@@ -22,11 +22,6 @@ namespace {
 constexpr int64_t kLanes = 16;
 constexpr int kChunks = 8;  // zmm per block of a head's dimensions (≤ 128 floats): accumulators kept in registers
 
-bool cpu_supported() {
-  __builtin_cpu_init();
-  return __builtin_cpu_supports("avx512f");
-}
-
 __mmask16 lane_mask(int64_t remaining) {
   return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF)
          : remaining <= 0    ? static_cast<__mmask16>(0)
@@ -110,11 +105,11 @@ void scores(const float* q, int64_t group, const float* keys, const int64_t* pos
   }
 }
 
-// out[h] = inverse[h] · Σ_j p[h][j] · v[positions[j]] for HEADS heads at once (each value row loaded once for all),
-// folded over j in order per dimension
+// out_h = inverse[h] · Σ_j p_h[j] · v[positions[j]] for HEADS heads at once (each value row loaded once for all),
+// folded over j in order per dimension; p_h = p + h · stride, out_h = out + h · d
 template <int HEADS, int CHUNKS, bool MASKED>
-void weighted_values(const float* const* p, const float* values, const int64_t* positions, int64_t length, int64_t d,
-                     const float* inverse, float* const* out) {
+void weighted_values(const float* p, int64_t stride, const float* values, const int64_t* positions, int64_t length,
+                     int64_t d, const float* inverse, float* out) {
   for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
     __mmask16 masks[CHUNKS];
     __m512 acc[HEADS][CHUNKS];
@@ -131,7 +126,7 @@ void weighted_values(const float* const* p, const float* values, const int64_t* 
       for (int c = 0; c < CHUNKS; ++c) vv[c] = load<MASKED>(masks[c], v + c * kLanes);
 #pragma GCC unroll 4
       for (int h = 0; h < HEADS; ++h) {
-        const __m512 ph = _mm512_set1_ps(p[h][j]);
+        const __m512 ph = _mm512_set1_ps(p[h * stride + j]);
 #pragma GCC unroll 8
         for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(ph, vv[c], acc[h][c]);
       }
@@ -140,7 +135,7 @@ void weighted_values(const float* const* p, const float* values, const int64_t* 
     for (int h = 0; h < HEADS; ++h) {
       const __m512 inv = _mm512_set1_ps(inverse[h]);
 #pragma GCC unroll 8
-      for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out[h] + base + c * kLanes, masks[c], _mm512_mul_ps(acc[h][c], inv));
+      for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out + h * d + base + c * kLanes, masks[c], _mm512_mul_ps(acc[h][c], inv));
     }
   }
 }
@@ -162,26 +157,20 @@ float softmax_numerators(float* s, int64_t length) {
 
 constexpr int kHeadsPerPass = 3;  // 3 heads × 8 zmm accumulators + 8 zmm of values: within the 32 zmm
 
-// One (row, KV head): its group of query heads q[g] (g < group, d floats apart) over the keys and values at
-// `positions`, into out[g]; scratch holds group × stride floats
+// One (row, KV head): its group of query heads q_g = q + g · d (g < group) over the keys and values at `positions`,
+// into out + g · d; scratch holds group × stride scores, inverse group floats
 template <int CHUNKS, bool MASKED>
 void attend_group(const float* q, const float* keys, const float* values, const int64_t* positions, int64_t length,
-                  int64_t d, int64_t group, float scale, float* scratch, int64_t stride, float* out) {
-  std::vector<const float*> p(group);
-  std::vector<float*> o(group);
-  std::vector<float> inverse(group);
+                  int64_t d, int64_t group, float scale, float* scratch, int64_t stride, float* inverse, float* out) {
   scores<CHUNKS, MASKED>(q, group, keys, positions, length, d, scale, scratch, stride);
-  for (int64_t g = 0; g < group; ++g) {
-    float* s = scratch + g * stride;
-    inverse[g] = softmax_numerators(s, length);
-    p[g] = s;
-    o[g] = out + g * d;
-  }
+  for (int64_t g = 0; g < group; ++g) inverse[g] = softmax_numerators(scratch + g * stride, length);
   for (int64_t g = 0; g < group; g += kHeadsPerPass) {
+    const float* p = scratch + g * stride;
+    float* o = out + g * d;
     switch (std::min<int64_t>(kHeadsPerPass, group - g)) {
-      case 3: weighted_values<3, CHUNKS, MASKED>(&p[g], values, positions, length, d, &inverse[g], &o[g]); break;
-      case 2: weighted_values<2, CHUNKS, MASKED>(&p[g], values, positions, length, d, &inverse[g], &o[g]); break;
-      default: weighted_values<1, CHUNKS, MASKED>(&p[g], values, positions, length, d, &inverse[g], &o[g]);
+      case 3: weighted_values<3, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o); break;
+      case 2: weighted_values<2, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o); break;
+      default: weighted_values<1, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o);
     }
   }
 }
@@ -249,7 +238,7 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   // whole blocks of dimensions (the usual head sizes) load unmasked
   const auto attend = d == 128 ? &attend_group<8, false> : d == 64 ? &attend_group<4, false> : &attend_group<kChunks, true>;
   at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch((longest + kLanes) * group);
+    std::vector<float> scratch((longest + kLanes) * group), inverse(group);
     std::vector<int64_t> positions(longest + kLanes, 0);  // zero: padding keys for `scores`
     for (int64_t item = begin; item < end; ++item) {
       const int64_t row = item / kv_heads, kvh = item % kv_heads;
@@ -257,7 +246,8 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
       const int64_t length = cached + (path ? static_cast<int64_t>(path->size()) : row + 1);
       for (int64_t j = 0; j < length; ++j) positions[j] = j < cached || !path ? j : cached + (*path)[j - cached];
       attend(q.data() + (row * heads + kvh * group) * d, kp + kvh * keys.stride(0), vp + kvh * values.stride(0),
-             positions.data(), length, d, group, fscale, scratch.data(), longest + kLanes, op + (row * heads + kvh * group) * d);
+             positions.data(), length, d, group, fscale, scratch.data(), longest + kLanes, inverse.data(),
+             op + (row * heads + kvh * group) * d);
     }
   });
   return out;
@@ -266,6 +256,5 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
-  module.def("cpu_supported", &cpu_supported);
   module.def("attend", &attend_rows);
 }
