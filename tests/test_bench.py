@@ -79,6 +79,7 @@ def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
         assert all(len(r["curve"]["samples"][ctx][k]) == 5 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
         assert all(r["round_ratio"][ctx][k] > 0 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
         assert r["prefill"]["prompt_tokens"] == 511 and r["nll"] > 0  # the held text, cut to the tiny context
+        assert r["decode_roofline_after_ms"] > 0  # plain decoding against the ceilings taken right after it
     assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3
     assert (out / "cost_curve.png").stat().st_size > 10_000
     table = doc.read_text()

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from specdec.models.batch import ForwardBatch, SequenceInput
-from specdec.models.linear import DenseLinear, PrepackedLinear
+from specdec.models.linear import DenseLinear, float32_linear
 from specdec.models.loader import load_decoder
 from specdec.spec.tree import ROOT, TokenTree
 
@@ -141,9 +141,10 @@ def test_batch_build_rejects_bad_shapes():
         ForwardBatch.build([SequenceInput(0, [1, 2], positions=[0])], [0])
 
 
-def test_prepacked_and_dense_kernels_agree(tiny_qwen):
+def test_packed_and_dense_kernels_agree(tiny_qwen):
     packed, dense = load_decoder(tiny_qwen), load_decoder(tiny_qwen, prepack=False)
-    assert isinstance(packed.layers[0].qkv, PrepackedLinear) and isinstance(packed.lm_head, PrepackedLinear)
+    kernel = float32_linear()
+    assert isinstance(packed.layers[0].qkv, kernel) and isinstance(packed.lm_head, kernel)
     assert isinstance(dense.layers[0].qkv, DenseLinear)
     ids = list(range(40, 60))
     logits = []

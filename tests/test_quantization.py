@@ -14,8 +14,8 @@ from specdec.models.linear import (
     DEFAULT_TARGET_QUANTIZATION,
     Int8Linear,
     OneDnnInt8Linear,
-    PrepackedLinear,
     VnniInt8Linear,
+    float32_linear,
     linear_kernel,
     resolve_quantization,
 )
@@ -134,7 +134,7 @@ def test_formats_are_chosen_per_role(tiny_qwen, tiny_qwen_draft):
     spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": 2, "quantization": "int8",
             "adaptive": False}
     llm = LLM(str(tiny_qwen), quantization=None, speculative_config=spec, max_model_len=64)
-    assert isinstance(llm.engine.model.lm_head, PrepackedLinear) and llm.config.quantization is None
+    assert isinstance(llm.engine.model.lm_head, float32_linear()) and llm.config.quantization is None
     assert isinstance(llm.engine.proposer.model.lm_head, Int8Linear)
 
 

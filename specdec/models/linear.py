@@ -1,8 +1,10 @@
 """The linear-kernel layer: a weight prepared once at load, applied many times.
 
-`DenseLinear` is plain `F.linear` (any device and dtype). `PrepackedLinear` reorders a float32
-CPU weight once into oneDNN's blocked layout: one row costs what the weight takes to read and
-rows up to ~8 cost little more, where the stock kernel costs 2–3× more for 2–3 rows than for one.
+`DenseLinear` is plain `F.linear` (any device and dtype). float32 CPU weights are packed once:
+`Avx512Linear` (specdec's kernel, where the CPU has AVX-512) streams them in panels at about what a
+plain sum over memory reads, for 1 to 16 rows, with each row's result independent of the others;
+elsewhere `PrepackedLinear` reorders them into oneDNN's blocked layout (rows up to ~8 cost little
+more than one, where the stock kernel costs 2–3× more for 2–3 rows than for one).
 `Int8Linear` stores int8 weights (one scale per output channel) and quantizes activations per
 row, so sums are exact int32 and a row's result never depends on the other rows of the forward
 (batch invariance, tested bitwise); specdec's own AVX-512 VNNI kernel computes it where the CPU
@@ -53,6 +55,26 @@ class PrepackedLinear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+class Avx512Linear:
+    """float32 on CPU through specdec's AVX-512 kernel (kernels/fp32_linear.cpp), the weight packed once into panels
+    of 16 output channels (x: [rows, in]). Every output is one chain of fused multiply-adds in input order, whatever
+    the rows and tiling, so a row's result is bitwise the same alone or with others (batch invariance, tested). For
+    1–16 rows it reads the weights 1.1–1.4× faster than oneDNN's prepacked kernel, up to about what a plain sum
+    over the same memory reads; for prefill chunks it is ~10% slower than oneDNN (BENCHMARKS.md)."""
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.kernel = kernels.fp32_avx512()
+        self.packed = self.kernel.pack(weight.float())
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.weight_bytes = weight.numel() * 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.linear(rows, self.packed, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
 
 
 class Int8Linear:
@@ -128,7 +150,12 @@ def int8_linear() -> type[Int8Linear]:
     return VnniInt8Linear if kernels.int8_vnni() is not None else OneDnnInt8Linear
 
 
-Linear = DenseLinear | PrepackedLinear | Int8Linear
+def float32_linear() -> type[Avx512Linear] | type[PrepackedLinear]:
+    """The packed float32 CPU kernel for this process: specdec's where the CPU has AVX-512 and it builds, else oneDNN's."""
+    return Avx512Linear if kernels.fp32_avx512() is not None else PrepackedLinear
+
+
+Linear = DenseLinear | PrepackedLinear | Avx512Linear | Int8Linear
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 
@@ -156,11 +183,11 @@ def linear_kernel(
 ) -> LinearKernel:
     """The kernel every linear layer of a model will use, chosen once from its format.
 
-    quantization None keeps the weights in `dtype` (prepacked for oneDNN where it can be, unless
-    `prepack=False`); "int8" stores int8 weights and computes in float32 (CPU only).
+    quantization None keeps the weights in `dtype` (float32 CPU weights packed once for `float32_linear`'s kernel,
+    unless `prepack=False`); "int8" stores int8 weights and computes in float32 (CPU only).
     """
     if quantization is None:
-        return PrepackedLinear if (can_prepack(dtype, device) if prepack is None else prepack) else DenseLinear
+        return float32_linear() if (can_prepack(dtype, device) if prepack is None else prepack) else DenseLinear
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)} or None")
     if not can_run_int8(device):

@@ -75,8 +75,8 @@ def load_decoder(
     prepack: bool | None = None,
 ) -> Decoder:
     """Load the native decoder with every linear layer in one format (see `linear_kernel`):
-    `quantization` None keeps `dtype` weights (float32 CPU weights prepacked for oneDNN unless
-    `prepack=False`), "int8" quantizes them once here. The embedding stays in `dtype`."""
+    `quantization` None keeps `dtype` weights (float32 CPU weights packed once for their CPU kernel
+    unless `prepack=False`), "int8" quantizes them once here. The embedding stays in `dtype`."""
     hf_config = load_hf_config(model_dir)
     linear = linear_kernel(dtype, device, quantization, prepack)
 

@@ -16,7 +16,15 @@ from dataclasses import asdict, dataclass
 import torch
 
 from specdec.models.decoder import Decoder
-from specdec.models.linear import Int8Linear, Linear, OneDnnInt8Linear, can_run_int8, int8_linear
+from specdec.models.linear import (
+    Avx512Linear,
+    Int8Linear,
+    Linear,
+    OneDnnInt8Linear,
+    can_run_int8,
+    float32_linear,
+    int8_linear,
+)
 
 BANDWIDTH_BUFFER_BYTES = 512 * 2**20  # 16× this machine's L3: every read comes from memory
 
@@ -88,15 +96,20 @@ def _fp32_readers(row: torch.Tensor, repeats: int) -> dict[str, float]:
     flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=torch.Generator().manual_seed(1))
     packed = torch.ops.mkldnn._reorder_linear_weight(flat.view(-1, row.shape[1]))
     gemv = lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")  # noqa: E731
-    return {
+    readers = {
         "fp32 sum": BANDWIDTH_BUFFER_BYTES / _median_seconds(flat.sum, repeats),
         "fp32 GEMV (oneDNN)": BANDWIDTH_BUFFER_BYTES / _median_seconds(gemv, repeats),
     }
+    del packed
+    if float32_linear() is Avx512Linear:
+        big = Avx512Linear(flat.view(-1, row.shape[1]))
+        readers["fp32 GEMV (Avx512Linear)"] = BANDWIDTH_BUFFER_BYTES / _median_seconds(lambda: big(row), repeats)
+    return readers
 
 
 def measure_ceilings(repeats: int = 5) -> Ceilings:
     """Read bandwidth = the fastest of several readers streaming a buffer far larger than the
-    caches (a reduction, and the fp32 and int8 matrix-vector kernels the model itself uses);
+    caches (a reduction, and the fp32 and int8 matrix-vector kernels the model itself may use);
     MAC rates = large GEMMs through the same kernels. Takes ~5 s here."""
     g = torch.Generator().manual_seed(0)
     readers: dict[str, float] = {}

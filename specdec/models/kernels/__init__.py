@@ -11,6 +11,7 @@ from types import ModuleType
 
 INT8_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 ROW_ATTENTION_FLAGS = ("avx512f",)
+FP32_FLAGS = ("avx512f",)
 
 
 def cpu_flags() -> set[str]:
@@ -44,6 +45,12 @@ def _build(name: str, source: str, flags: tuple[str, ...], extra_cflags: tuple[s
 def int8_vnni() -> ModuleType | None:
     """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None."""
     return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
+
+
+@functools.cache
+def fp32_avx512() -> ModuleType | None:
+    """The AVX-512 float32 linear kernel (fp32_linear.cpp), or None."""
+    return _build("specdec_fp32_avx512", "fp32_linear.cpp", FP32_FLAGS)
 
 
 @functools.cache

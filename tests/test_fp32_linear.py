@@ -1,0 +1,55 @@
+"""specdec's float32 kernel (kernels/fp32_linear.cpp): accurate against a float64 reference, every row bitwise the
+same alone or with other rows (one chain of fused multiply-adds per output, whatever the tiling), and close to
+oneDNN's and PyTorch's kernels."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from specdec.models import kernels
+from specdec.models.linear import Avx512Linear, PrepackedLinear
+
+pytestmark = pytest.mark.skipif(kernels.fp32_avx512() is None, reason="no AVX-512 on this CPU (or no compiler)")
+
+# rows 1–6, 7–8, 9–12 and 13–24 each take one tile of a different width; more rows take several tiles over chunks of
+# 512 inputs (the partial sums kept in the output between chunks)
+ROWS = st.sampled_from([1, 2, 5, 6, 7, 8, 9, 12, 13, 16, 24, 25, 31, 64])
+
+
+@settings(max_examples=40, deadline=None)
+@given(rows=ROWS, out_features=st.integers(1, 200), in_features=st.sampled_from([1, 3, 16, 100, 511, 512, 513, 1300]),
+       with_bias=st.booleans(), seed=st.integers(0, 2**16))
+def test_rows_are_accurate_and_bitwise_alone_or_together(rows, out_features, in_features, with_bias, seed):
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, in_features, generator=g)
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(rows, in_features, generator=g) * torch.logspace(-2, 2, rows)[:, None]
+    linear = Avx512Linear(weight, bias)
+    together = linear(x)
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # float32 sums of `in_features` products: error bound ~ in_features · eps · Σ|x_k w_k|
+    bound = in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T) + 1e-6
+    assert ((together.double() - reference).abs() <= bound).all()
+    for i in range(rows):
+        assert torch.equal(linear(x[i : i + 1])[0], together[i]), i
+    assert torch.equal(linear(x[None])[0], together)  # leading dimensions are kept
+
+
+def test_agrees_with_onednn_on_a_model_sized_matrix():
+    g = torch.Generator().manual_seed(0)
+    weight, bias = torch.randn(1000, 1536, generator=g) * 0.03, torch.randn(1000, generator=g)
+    x = torch.randn(16, 1536, generator=g)
+    torch.testing.assert_close(Avx512Linear(weight, bias)(x), PrepackedLinear(weight, bias)(x), atol=2e-5, rtol=1e-5)
+
+
+def test_bad_shapes_are_refused():
+    linear = Avx512Linear(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="features"):
+        linear.kernel.linear(torch.randn(2, 31), linear.packed, None, 8)
+    with pytest.raises(RuntimeError, match="outputs"):
+        linear.kernel.linear(torch.randn(2, 32), linear.packed, None, 40)
+    assert linear(torch.randn(0, 32)).shape == (0, 8)
