@@ -77,7 +77,9 @@ def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
         rounds = r["ceilings_by_round"]
         assert len(rounds) == 5 and all(c["read_bytes_per_s"] >= x["read_bytes_per_s"] for x in rounds)
         assert all(len(r["curve"]["samples"][ctx][k]) == 5 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
-        assert all(r["round_ratio"][ctx][k] > 0 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
+        # and each forward against the bandwidth probed right after it
+        assert all(len(r["probed_bytes_per_s"][ctx][k]) == 5 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
+        assert all(r["paired_ratio"][ctx][k] > 0 for ctx in ("128", "1024") for k in r["curve"]["ms"]["128"])
         assert r["prefill"]["prompt_tokens"] == 511 and r["nll"] > 0  # the held text, cut to the tiny context
         assert r["decode_roofline_after_ms"] > 0  # plain decoding against the ceilings taken right after it
     assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3

@@ -12,6 +12,7 @@ yardstick. Each measured curve is also written to the per-machine cache the engi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import statistics
 import sys
@@ -22,7 +23,7 @@ from typing import Any
 
 from specdec.bench.report import environment_line, median_spread, publish, update_section
 from specdec.bench.workers import WorkerSpec, add_run_arguments, dataset_prompts, run_workers, specdec_passes
-from specdec.models.cost_curve import DEFAULT_KS
+from specdec.models.cost_curve import DEFAULT_CONTEXTS, DEFAULT_KS
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
 FORMATS = {"fp32": None, "int8": "int8"}
@@ -38,26 +39,36 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     from specdec import LLM
     from specdec.models.cost_curve import cost_curve_path, measure_cost_curve, save_cost_curve
-    from specdec.models.roofline import Ceilings, ForwardWork, measure_ceilings
+    from specdec.models.roofline import BandwidthProbe, Ceilings, ForwardWork, measure_ceilings
     from specdec.models.zoo import cache_dir
 
     llm = LLM(spec.model, quantization=spec.quantization, max_num_seqs=1)
     model = llm.engine.model
     work = ForwardWork.of(model)
-    # The machine drifts (read bandwidth by up to 2× within minutes): ceilings are measured before and after the
-    # curve and the decode passes, and after every round of the curve. Two ratios follow: against each ceiling at
-    # its best over the run (what the machine has shown it can do), and each round's times against the ceilings
-    # taken beside them (median over rounds), which a slow stretch does not inflate.
+    # The machine drifts (read bandwidth by up to 2× within seconds): ceilings are measured before and after the
+    # curve and the decode passes and after every round of the curve, and the read bandwidth is probed right after
+    # every timed forward. Two ratios follow: against each ceiling at its best over the run (what the machine has
+    # shown it can do), and each forward against the bandwidth probed beside it and its round's MAC rates (median
+    # over rounds), which a slow stretch does not inflate.
     before = measure_ceilings()
     by_round: list[Ceilings] = []
-    curve = measure_cost_curve(model, after_round=lambda: by_round.append(measure_ceilings(repeats=3)))
+    probe, probed = BandwidthProbe(), {c: {k: [] for k in DEFAULT_KS} for c in DEFAULT_CONTEXTS}
+    curve = measure_cost_curve(model, after_round=lambda: by_round.append(measure_ceilings(repeats=3)),
+                               after_forward=lambda c, k: probed[c][k].append(probe()))
+    del probe
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
     passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
     after = measure_ceilings()
     ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
-    round_ratio = {
-        c: {k: statistics.median(t / work.roofline_ms(k, c, cr) for t, cr in zip(times, by_round)) for k, times in row.items()}
+    paired_ratio = {
+        c: {
+            k: statistics.median(
+                t / work.roofline_ms(k, c, dataclasses.replace(cr, read_bytes_per_s=bandwidth))
+                for t, cr, bandwidth in zip(times, by_round, probed[c][k])
+            )
+            for k, times in row.items()
+        }
         for c, row in curve.samples.items()
     }
     ids = llm.get_tokenizer().encode(held_text())[: llm.config.max_model_len - 1]
@@ -65,7 +76,8 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
         **passes, "ttft_s": ttft[1:], "tpot_s": tpot[1:],
         "ceilings": ceilings.to_json(), "ceilings_before": before.to_json(), "ceilings_after": after.to_json(),
         "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
-        "roofline_ms": roofline, "round_ratio": round_ratio, "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "prefill": _prefill(llm, ids), "nll": _mean_nll(model, ids),
+        "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed, "decode_roofline_after_ms": work.roofline_ms(1, 128, after),
+        "prefill": _prefill(llm, ids), "nll": _mean_nll(model, ids),
     }
 
 
@@ -138,20 +150,22 @@ def curve_table(results: list[dict[str, Any]], argv: Sequence[str], plot: Path) 
         "bandwidth, MACs / MAC rate), bytes = weights in their format + the KV cache, MACs = linear layers at the "
         "format's rate + attention at the fp32 rate; both ceilings measured in the same worker before and after "
         "the curve and the decode passes and after each round of the curve (bandwidth = the fastest of: fp32 sum, "
-        "oneDNN's fp32 and int8 matrix-vector products and specdec's int8 kernel where it runs, over 512 MiB; int8 "
-        "MAC rate: the faster int8 kernel). Two ratios: against each ceiling at its best over the run · median over "
-        "rounds of each round's times against the ceilings measured right after that round (the machine's memory "
-        f"bandwidth drifts by up to 2× within minutes). Plot: `{plot.name}` (best ceilings). {environment_line()}",
+        "oneDNN's and specdec's fp32 and int8 matrix-vector products where they run, over 512 MiB; int8 MAC rate: "
+        "the faster int8 kernel). Two ratios: against each ceiling at its best over the run · median over rounds of "
+        "each forward's time against the read bandwidth probed right after it (one pass of a sum and of specdec's "
+        "fp32 and int8 matrix-vector kernels over 512 MiB, the fastest) and the MAC rates measured after its round "
+        f"(the machine's memory bandwidth drifts by up to 2× within seconds). Plot: `{plot.name}` (best ceilings). "
+        f"{environment_line()}",
         "",
-        "| model | format | read GB/s: best (before, rounds min–max, after) | fastest reader | fp32 G MAC/s: best (rounds) | int8 G MAC/s: best (rounds) |",
-        "|---|---|---|---|---|---|",
+        "| model | format | read GB/s: best (before, rounds min–max, after) | probed beside the forwards: median (min–max) | fastest reader | fp32 G MAC/s: best (rounds) | int8 G MAC/s: best (rounds) |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in runs:
         c, before, after, rounds = r["ceilings"], r["ceilings_before"], r["ceilings_after"], r["ceilings_by_round"]
         reader = max(c["readers"], key=c["readers"].get)
         lines.append(f"| {r['spec']['model']} | {_fmt(r)} | {c['read_bytes_per_s'] / 1e9:.1f} "
                      f"({before['read_bytes_per_s'] / 1e9:.1f}, {_range(rounds, 'read_bytes_per_s', '.1f')}, "
-                     f"{after['read_bytes_per_s'] / 1e9:.1f}) | {reader} | {c['fp32_macs_per_s'] / 1e9:.0f} "
+                     f"{after['read_bytes_per_s'] / 1e9:.1f}) | {_probed(r)} | {reader} | {c['fp32_macs_per_s'] / 1e9:.0f} "
                      f"({_range(rounds, 'fp32_macs_per_s', '.0f')}) | " + (
                          f"{c['int8_macs_per_s'] / 1e9:.0f} ({_range(rounds, 'int8_macs_per_s', '.0f')})" if c["int8_macs_per_s"] else "—") + " |")
     ks = [k for k in DEFAULT_KS]
@@ -159,11 +173,16 @@ def curve_table(results: list[dict[str, Any]], argv: Sequence[str], plot: Path) 
               "|---|---|---|" + "---|" * len(ks)]
     for r in runs:
         for context in sorted(r["curve"]["ms"], key=int):
-            row, roof, paired = r["curve"]["ms"][context], r["roofline_ms"][context], r["round_ratio"][context]
+            row, roof, paired = r["curve"]["ms"][context], r["roofline_ms"][context], r["paired_ratio"][context]
             cells = [f"{row[str(k)]:.0f} ({row[str(k)] / roof[str(k)]:.2f} · {paired[str(k)]:.2f})" if str(k) in row else "—"
                      for k in ks]
             lines.append(f"| {r['spec']['model']} | {_fmt(r)} | {context} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
+
+
+def _probed(result: dict[str, Any]) -> str:
+    values = [v / 1e9 for row in result["probed_bytes_per_s"].values() for times in row.values() for v in times]
+    return f"{statistics.median(values):.1f} ({min(values):.1f}–{max(values):.1f})"
 
 
 def _range(ceilings: list[dict[str, Any]], key: str, spec: str) -> str:
@@ -177,8 +196,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         "",
         f"From the same run as the cost curve. Plain greedy decoding, {args.num_prompts} prompts of the "
         f"`{args.dataset}` set, {args.max_tokens} new tokens each (transformers: 64), batch 1, median (min–max) of "
-        f"{args.repeat} passes. Roofline tok/s = 1000 / roofline(k=1) at context 128, with the best ceilings of the run; % of roofline "
-        "against them · against the ceilings measured right after the decode passes. Prefill: a "
+        f"{args.repeat} passes. Roofline tok/s = 1000 / roofline(k=1) at context 128, with the best ceilings of the "
+        "run; % of roofline against them · against the ceilings measured right after the decode passes. Prefill: a "
         "1,016-token prompt (the held text) through the engine's 512-token chunks, TTFT median of 3. NLL: mean "
         "next-token negative log-likelihood (nats) over the held text (`bench/datasets/held_text.txt`, written for "
         f"the project); agreement: prompts whose {args.max_tokens} greedy tokens equal float32's exactly, and the "
@@ -204,7 +223,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
             agree = _agreement(r["tokens"], ref["tokens"])
         lines.append(
             f"| {model} | {_fmt(r)} | {med:.2f} ({low:.2f}–{high:.2f}) | {ratio} | {roof_tps:.1f} | "
-            f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% | {r['prefill']['tok_per_s']:.0f} | "
+            f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% | "
+            f"{r['prefill']['tok_per_s']:.0f} | "
             f"{statistics.median(r['prefill']['ttft_s']):.2f} | {r['nll']:.4f} | {nll_delta} | {agree} |"
         )
     return "\n".join(lines)

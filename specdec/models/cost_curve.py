@@ -105,12 +105,13 @@ def measure_cost_curve(
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     repeats: int = 5,
     after_round: Callable[[], object] | None = None,
+    after_forward: Callable[[int, int], object] | None = None,
 ) -> CostCurve:
     """Time forwards over k new tokens (logits at every row, as verification needs) after a cached
     context. Each round sweeps every (context, k) in turn, so that machine noise (memory bandwidth
     here drifts by tens of percent over minutes) spreads over the whole curve, not one point.
-    `after_round` runs after each measured round (the bench measures the machine's ceilings there, so
-    each round's times have ceilings taken beside them)."""
+    `after_round` runs after each measured round and `after_forward(context, k)` after each timed forward of one,
+    outside the timing (the bench measures the machine's ceilings there, so each time has ceilings taken beside it)."""
     g = torch.Generator().manual_seed(0)
     cache = model.new_kv_cache(len(contexts), max(contexts) + max(ks))
     slots = {}
@@ -132,6 +133,8 @@ def measure_cost_curve(
                 cache.truncate(slots[context], context)
                 if round_:
                     times[context][k].append(elapsed)
+                    if after_forward is not None:
+                        after_forward(context, k)
         if round_ and after_round is not None:
             after_round()
     ms = {c: {k: statistics.median(t) for k, t in row.items()} for c, row in times.items()}

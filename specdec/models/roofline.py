@@ -107,6 +107,33 @@ def _fp32_readers(row: torch.Tensor, repeats: int) -> dict[str, float]:
     return readers
 
 
+class BandwidthProbe:
+    """The read bandwidth at this moment: one timed pass over 512 MiB by each of a sum and specdec's fp32 and int8
+    matrix-vector kernels (where they run), the fastest counting; ~50 ms, cheap enough to take beside every timed
+    forward. Holds its buffers (~1.5 GiB) for its life."""
+
+    def __init__(self) -> None:
+        g = torch.Generator().manual_seed(2)
+        row = torch.randn(1, 4096, generator=g)
+        flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=g)
+        self._readers: list[Callable[[], object]] = [flat.sum]
+        if float32_linear() is Avx512Linear:
+            self._readers.append(functools.partial(Avx512Linear(flat.view(-1, row.shape[1])), row))
+        if can_run_int8("cpu"):
+            weights = torch.randint(-127, 128, (BANDWIDTH_BUFFER_BYTES // 4096, 4096), generator=g, dtype=torch.int8)
+            int8 = int8_linear().from_quantized(weights, torch.full((weights.shape[0],), 1e-3))
+            self._readers.append(functools.partial(int8, row))
+
+    def __call__(self) -> float:
+        """bytes/s"""
+        best = 0.0
+        for read in self._readers:
+            start = time.perf_counter()
+            read()
+            best = max(best, BANDWIDTH_BUFFER_BYTES / (time.perf_counter() - start))
+        return best
+
+
 def measure_ceilings(repeats: int = 5) -> Ceilings:
     """Read bandwidth = the fastest of several readers streaming a buffer far larger than the
     caches (a reduction, and the fp32 and int8 matrix-vector kernels the model itself may use);
