@@ -76,8 +76,9 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
         **passes, "ttft_s": ttft[1:], "tpot_s": tpot[1:],
         "ceilings": ceilings.to_json(), "ceilings_before": before.to_json(), "ceilings_after": after.to_json(),
         "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
-        "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed, "decode_roofline_after_ms": work.roofline_ms(1, 128, after),
-        "prefill": _prefill(llm, ids), "nll": _mean_nll(model, ids),
+        "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed,
+        "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "prefill": _prefill(llm, ids),
+        "nll": _mean_nll(model, ids),
     }
 
 
