@@ -98,10 +98,10 @@ const std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels> kTiles = [] {
   const auto t2 = tiles_of<2>(std::make_integer_sequence<int, kMaxAccumulators / 2>{});
   const auto t3 = tiles_of<3>(std::make_integer_sequence<int, kMaxAccumulators / 3>{});
   const auto t4 = tiles_of<4>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
-  for (size_t i = 0; i < t1.size(); ++i) tiles[0][i] = t1[i];
-  for (size_t i = 0; i < t2.size(); ++i) tiles[1][i] = t2[i];
-  for (size_t i = 0; i < t3.size(); ++i) tiles[2][i] = t3[i];
-  for (size_t i = 0; i < t4.size(); ++i) tiles[3][i] = t4[i];
+  std::copy(t1.begin(), t1.end(), tiles[0].begin());
+  std::copy(t2.begin(), t2.end(), tiles[1].begin());
+  std::copy(t3.begin(), t3.end(), tiles[2].begin());
+  std::copy(t4.begin(), t4.end(), tiles[3].begin());
   return tiles;
 }();
 
