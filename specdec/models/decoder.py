@@ -123,6 +123,8 @@ class Decoder:
         # PyTorch ops and an attention call per row
         cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.row_attention = kernels.row_attention() if cpu_float32 else None
+        # RMSNorm (after the residual add) and SwiGLU: specdec's AVX-512 kernel where it runs, else PyTorch ops
+        self.norm_swiglu = kernels.norm_swiglu() if cpu_float32 else None
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -143,21 +145,39 @@ class Decoder:
         layer_hidden: dict[int, torch.Tensor] = {}
         with self._attention_backends():
             for index, layer in enumerate(self.layers):
-                h = x if layer.input_norm is None else _rms_norm(x, layer.input_norm, c.rms_norm_eps)
+                h = x if layer.input_norm is None else self._rms_norm(x, layer.input_norm)
                 qkv = layer.qkv(h) if index or qkv_offset is None else layer.qkv(h) + qkv_offset
-                x = x + layer.o(self._attention(qkv, cos, sin, index, batch, masks, cache))
-                h = _rms_norm(x, layer.post_norm, c.rms_norm_eps)
-                gate, up = layer.gate_up(h).chunk(2, dim=-1)
-                x = x + layer.down(F.silu(gate) * up)
+                x, h = self._add_rms_norm(x, layer.o(self._attention(qkv, cos, sin, index, batch, masks, cache)),
+                                          layer.post_norm)
+                x = x + layer.down(self._swiglu(layer.gate_up(h)))
                 if index in batch.hidden_layers:
                     layer_hidden[index] = x
         for slot, n in zip(batch.slots, batch.num_new):
             cache.advance(slot, n)
-        hidden = x if self.final_norm is None else _rms_norm(x, self.final_norm, c.rms_norm_eps)
+        hidden = x if self.final_norm is None else self._rms_norm(x, self.final_norm)
         rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows.to(self.device)]
         # logits go to the CPU, where sampling and verification run with per-request generators
         logits = self.lm_head(rows).float().cpu()
         return ForwardOutput(logits=logits, hidden=hidden, layer_hidden=layer_hidden)
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        if self.norm_swiglu is not None:
+            return self.norm_swiglu.rms_norm(x, weight, self.config.rms_norm_eps)
+        return _rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + delta, its RMSNorm)."""
+        if self.norm_swiglu is not None:
+            return self.norm_swiglu.add_rms_norm(x, delta, weight, self.config.rms_norm_eps)
+        x = x + delta
+        return x, _rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def _swiglu(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) · up of the fused gate/up projection's output."""
+        if self.norm_swiglu is not None:
+            return self.norm_swiglu.swiglu(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _attention_backends(self) -> contextlib.AbstractContextManager:
         """On CUDA, PyTorch's attention without its cuDNN backend: cuDNN builds a plan for every new key length,

@@ -12,6 +12,7 @@ from types import ModuleType
 INT8_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
 ROW_ATTENTION_FLAGS = ("avx512f",)
 FP32_FLAGS = ("avx512f",)
+NORM_SWIGLU_FLAGS = ("avx512f",)
 
 
 def cpu_flags() -> set[str]:
@@ -59,3 +60,9 @@ def row_attention() -> ModuleType | None:
     or None. Built without contracting a · b + c into fused multiply-adds where the source doesn't ask for them: its
     RoPE must round as PyTorch's elementwise ops do."""
     return _build("specdec_row_attention", "row_attention.cpp", ROW_ATTENTION_FLAGS, ("-ffp-contract=off",))
+
+
+@functools.cache
+def norm_swiglu() -> ModuleType | None:
+    """The AVX-512 RMSNorm (with the residual add) and SwiGLU of a layer's rows (norm_swiglu.cpp), or None."""
+    return _build("specdec_norm_swiglu", "norm_swiglu.cpp", NORM_SWIGLU_FLAGS)
