@@ -136,7 +136,6 @@ class Decoder:
         """`inputs_embeds` [T, hidden], where given, replaces the token embeddings (a draft layer's fused inputs);
         `qkv_offset` [T, q + 2 kv] is added to the first layer's q/k/v projections (EAGLE-3's layer attends over
         concat(norm(embedding), norm(hidden)) with the hidden as its residual: the embedding's share of the product)."""
-        c = self.config
         for slot, n in zip(batch.slots, batch.num_new):
             cache.check_room(slot, n)
         x = F.embedding(batch.token_ids.to(self.device), self.embed) if inputs_embeds is None else inputs_embeds
