@@ -31,8 +31,8 @@ constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
 // Tiles of one or two rows read memory fastest and wait on it most: they also prefetch this many steps further
-// ahead into L2 (a model's products +6–10% at 1–2 rows, measured in fast and slow stretches alike; at 4–6 rows no
-// gain was measurable)
+// ahead into L2 (a model's products +6–10% at 1–2 rows, in fast and slow stretches alike; at 3–6 rows it measured
+// −12% to +3% depending on the stretch, so they don't)
 constexpr int64_t kFarPrefetchSteps = 24;
 constexpr int kFarPrefetchRows = 2;
 
