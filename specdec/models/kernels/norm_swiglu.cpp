@@ -13,11 +13,8 @@
 
 namespace {
 
-constexpr int64_t kLanes = 16;
-
-__mmask16 lane_mask(int64_t remaining) {
-  return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << remaining) - 1);
-}
+using specdec::kLanes;
+using specdec::lane_mask;
 
 torch::Tensor rows_of(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() >= 1, what, ": float32 input expected");

@@ -22,15 +22,10 @@
 namespace {
 
 using specdec::exp_nonpositive;
+using specdec::kLanes;
+using specdec::lane_mask;
 
-constexpr int64_t kLanes = 16;
 constexpr int kChunks = 8;  // zmm per block of a head's dimensions (≤ 128 floats): accumulators kept in registers
-
-__mmask16 lane_mask(int64_t remaining) {
-  return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF)
-         : remaining <= 0    ? static_cast<__mmask16>(0)
-                             : static_cast<__mmask16>((1u << remaining) - 1);
-}
 
 // a zmm of floats; masked only where the head dimension is not a whole number of blocks
 template <bool MASKED>

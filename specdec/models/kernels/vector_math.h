@@ -1,8 +1,18 @@
 // Vector math shared by specdec's AVX-512 kernels.
 #pragma once
 #include <immintrin.h>
+#include <cstdint>
 
 namespace specdec {
+
+constexpr int64_t kLanes = 16;  // floats per zmm
+
+// the first `remaining` of a zmm's lanes (all of them from 16 on, none at 0 or below)
+inline __mmask16 lane_mask(int64_t remaining) {
+  return remaining >= kLanes ? static_cast<__mmask16>(0xFFFF)
+         : remaining <= 0    ? static_cast<__mmask16>(0)
+                             : static_cast<__mmask16>((1u << remaining) - 1);
+}
 
 // exp(x) for x ≤ 0 (attention scores less their maximum; −|x| for a sigmoid): 2^n · e^r, r = x − n · ln 2 in
 // [−ln 2 / 2, ln 2 / 2], e^r by Cephes' degree-7 polynomial (≤ 2 ulp); scalef takes 2^n down to 0 below the float
