@@ -3,13 +3,19 @@
 // PyTorch ops and an attention call per row).
 //
 // Row i (a new token) attends to the cached keys 0 … cached − 1, then to the new tokens it sees: 0 … i (causal) or
-// its tree path (ancestors, then itself). Each (row, KV head) is one work item: the row's query heads of that KV
-// group are scored against the keys in order, softmaxed and summed over the values in a fixed order, so a row's
-// result depends only on its query and the keys and values it sees, never on the other rows or the thread count
-// (batch invariance: a verified row is bitwise the one-token step's).
+// its tree path (ancestors, then itself). Every (row, query head) is computed by the same fixed sequence of
+// operations whatever else is in the call: a score is its query's and key's products folded per lane over the
+// dimensions in order, then summed across lanes by a fixed tree; the softmax and the sum over the values run over
+// the row's keys in order. So a row's result depends only on its query and the keys and values it sees, never on
+// the other rows or the thread count (batch invariance: a verified row is bitwise the one-token step's).
+// What the rows share is read once: a work item is one KV head and a block of rows; it scores sixteen keys at a
+// time for all its rows and query heads (a tile of up to six heads × four keys reuses each load of a key across
+// the heads and of a query across the keys), and folds the values in blocks that stay in L1 while every row and
+// head of the item takes its share.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <omp.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -25,7 +31,12 @@ using specdec::exp_nonpositive;
 using specdec::kLanes;
 using specdec::lane_mask;
 
-constexpr int kChunks = 8;  // zmm per block of a head's dimensions (≤ 128 floats): accumulators kept in registers
+constexpr int kChunks = 8;            // zmm per block of a head's dimensions (≤ 128 floats)
+constexpr int kKeyBlock = 16;         // keys lane-summed together
+constexpr int kTileKeys = 4;          // keys × heads of a scoring tile: ≤ 24 accumulators, + the heads' query chunks
+constexpr int kTileHeads = 6;
+constexpr int kValueHeads = 6;        // 6 heads × 4 zmm accumulators + 4 zmm of values: within the 32 zmm
+constexpr int64_t kValueBlock = 32;   // values per visit of the accumulators (16 KiB at D = 128: stays in L1)
 
 // a zmm of floats; masked only where the head dimension is not a whole number of blocks
 template <bool MASKED>
@@ -36,8 +47,10 @@ __m512 load(__mmask16 mask, const float* p) {
 
 // Sixteen vectors' lane sums in one vector (lane t: the sum of v[t]), each by the same addition tree whatever its
 // slot: pairs within 128-bit quarters, then the quarter, then the quarters pairwise
-__m512 lane_sums(const __m512 (&v)[kLanes]) {
-  __m512 x[8], y[4];
+__m512 lane_sums(const float* partial) {
+  __m512 v[kLanes], x[8], y[4];
+#pragma GCC unroll 16
+  for (int i = 0; i < kLanes; ++i) v[i] = _mm512_load_ps(partial + i * kLanes);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)
     x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
@@ -53,71 +66,71 @@ __m512 lane_sums(const __m512 (&v)[kLanes]) {
                        _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
-// s_g[j] = scale · q_g · k[positions[j]] for the group's heads g (queries d floats apart, scores `stride` apart) and
-// j < length: each key's products folded per lane over the dimensions in order (fused multiply-adds), the lanes
-// summed by `lane_sums`. Sixteen keys at a time for all heads, so a block of keys is read from L2 once and from L1
-// by the other heads; positions are padded to a multiple of sixteen with valid keys, so the sixteen accumulators
-// have fixed registers (the padding's scores are not stored).
-template <int CHUNKS, bool MASKED>
-void scores(const float* q, int64_t group, const float* keys, const int64_t* positions, int64_t length, int64_t d,
-            float scale, float* s, int64_t stride) {
-  for (int64_t j0 = 0; j0 < length; j0 += kLanes) {
-    for (int64_t g = 0; g < group; ++g) {
-      __m512 part[kLanes];
-#pragma GCC unroll 16
-      for (int t = 0; t < kLanes; ++t) part[t] = _mm512_setzero_ps();
-      for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
-        __m512 qv[CHUNKS];
-        __mmask16 masks[CHUNKS];
+// partial[h][t] (sixteen floats each) = q_h · k_t folded per lane over the dimensions in order (fused
+// multiply-adds), for HEADS heads (queries d floats apart) and the sixteen keys key[t]
+template <int HEADS, int CHUNKS, bool MASKED>
+void partial_scores(const float* q, int64_t d, const float* const* key, float* partial) {
+  for (int t0 = 0; t0 < kKeyBlock; t0 += kTileKeys) {
+    __m512 acc[HEADS][kTileKeys];
+#pragma GCC unroll 6
+    for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 4
+      for (int t = 0; t < kTileKeys; ++t) acc[h][t] = _mm512_setzero_ps();
+    for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
 #pragma GCC unroll 8
-        for (int c = 0; c < CHUNKS; ++c) {
-          masks[c] = lane_mask(d - base - c * kLanes);
-          qv[c] = load<MASKED>(masks[c], q + g * d + base + c * kLanes);
-        }
-#pragma GCC unroll 16
-        for (int t = 0; t < kLanes; ++t) {
-          const float* k = keys + positions[j0 + t] * d + base;
-#pragma GCC unroll 8
-          for (int c = 0; c < CHUNKS; ++c) part[t] = _mm512_fmadd_ps(qv[c], load<MASKED>(masks[c], k + c * kLanes), part[t]);
+      for (int c = 0; c < CHUNKS; ++c) {
+        const int64_t offset = base + c * kLanes;
+        const __mmask16 mask = lane_mask(d - offset);
+        __m512 qv[HEADS];
+#pragma GCC unroll 6
+        for (int h = 0; h < HEADS; ++h) qv[h] = load<MASKED>(mask, q + h * d + offset);
+#pragma GCC unroll 4
+        for (int t = 0; t < kTileKeys; ++t) {
+          const __m512 kv = load<MASKED>(mask, key[t0 + t] + offset);
+#pragma GCC unroll 6
+          for (int h = 0; h < HEADS; ++h) acc[h][t] = _mm512_fmadd_ps(qv[h], kv, acc[h][t]);
         }
       }
-      _mm512_mask_storeu_ps(s + g * stride + j0, lane_mask(length - j0), _mm512_mul_ps(lane_sums(part), _mm512_set1_ps(scale)));
     }
+#pragma GCC unroll 6
+    for (int h = 0; h < HEADS; ++h)
+#pragma GCC unroll 4
+      for (int t = 0; t < kTileKeys; ++t) _mm512_store_ps(partial + (h * kKeyBlock + t0 + t) * kLanes, acc[h][t]);
   }
 }
 
-// out_h = inverse[h] · Σ_j p_h[j] · v[positions[j]] for HEADS heads at once (each value row loaded once for all),
-// folded over j in order per dimension; p_h = p + h · stride, out_h = out + h · d
+// out_h += Σ_j p_h[j] · v_j for the `count` values v_j = value[j] and HEADS heads (p_h = p + h · stride, out_h =
+// out + h · d), folded over j in order per dimension; `first`: out_h starts from zero. The running sums wait in out
+// between blocks of values (a float stored and loaded back is exact), so each is one chain over all the values.
 template <int HEADS, int CHUNKS, bool MASKED>
-void weighted_values(const float* p, int64_t stride, const float* values, const int64_t* positions, int64_t length,
-                     int64_t d, const float* inverse, float* out) {
+void fold_values(const float* p, int64_t stride, const float* const* value, int64_t count, int64_t d, bool first,
+                 float* out) {
   for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
     __mmask16 masks[CHUNKS];
     __m512 acc[HEADS][CHUNKS];
 #pragma GCC unroll 8
     for (int c = 0; c < CHUNKS; ++c) {
       masks[c] = lane_mask(d - base - c * kLanes);
-#pragma GCC unroll 4
-      for (int h = 0; h < HEADS; ++h) acc[h][c] = _mm512_setzero_ps();
+#pragma GCC unroll 6
+      for (int h = 0; h < HEADS; ++h)
+        acc[h][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], out + h * d + base + c * kLanes);
     }
-    for (int64_t j = 0; j < length; ++j) {
-      const float* v = values + positions[j] * d + base;
+    for (int64_t j = 0; j < count; ++j) {
+      const float* v = value[j] + base;
       __m512 vv[CHUNKS];
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) vv[c] = load<MASKED>(masks[c], v + c * kLanes);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
       for (int h = 0; h < HEADS; ++h) {
         const __m512 ph = _mm512_set1_ps(p[h * stride + j]);
 #pragma GCC unroll 8
         for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(ph, vv[c], acc[h][c]);
       }
     }
-#pragma GCC unroll 4
-    for (int h = 0; h < HEADS; ++h) {
-      const __m512 inv = _mm512_set1_ps(inverse[h]);
+#pragma GCC unroll 6
+    for (int h = 0; h < HEADS; ++h)
 #pragma GCC unroll 8
-      for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out + h * d + base + c * kLanes, masks[c], _mm512_mul_ps(acc[h][c], inv));
-    }
+      for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out + h * d + base + c * kLanes, masks[c], acc[h][c]);
   }
 }
 
@@ -136,26 +149,6 @@ float softmax_numerators(float* s, int64_t length) {
   return 1.0f / _mm512_reduce_add_ps(vsum);
 }
 
-constexpr int kHeadsPerPass = 3;  // 3 heads × 8 zmm accumulators + 8 zmm of values: within the 32 zmm
-
-// One (row, KV head): its group of query heads q_g = q + g · d (g < group) over the keys and values at `positions`,
-// into out + g · d; scratch holds group × stride scores, inverse group floats
-template <int CHUNKS, bool MASKED>
-void attend_group(const float* q, const float* keys, const float* values, const int64_t* positions, int64_t length,
-                  int64_t d, int64_t group, float scale, float* scratch, int64_t stride, float* inverse, float* out) {
-  scores<CHUNKS, MASKED>(q, group, keys, positions, length, d, scale, scratch, stride);
-  for (int64_t g = 0; g < group; ++g) inverse[g] = softmax_numerators(scratch + g * stride, length);
-  for (int64_t g = 0; g < group; g += kHeadsPerPass) {
-    const float* p = scratch + g * stride;
-    float* o = out + g * d;
-    switch (std::min<int64_t>(kHeadsPerPass, group - g)) {
-      case 3: weighted_values<3, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o); break;
-      case 2: weighted_values<2, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o); break;
-      default: weighted_values<1, CHUNKS, MASKED>(p, stride, values, positions, length, d, inverse + g, o);
-    }
-  }
-}
-
 // x [heads, D] rotated by RoPE into out: x · cos + rotate_half(x) · sin, each product rounded and then summed, as
 // PyTorch's elementwise ops compute it (built without contraction into fused multiply-adds), so keys written here
 // are bitwise those the PyTorch path writes
@@ -164,6 +157,98 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t heads, i
   for (int64_t h = 0; h < heads; ++h, x += d, out += d) {
     for (int64_t i = 0; i < half; ++i) out[i] = x[i] * cos[i] - x[i + half] * sin[i];
     for (int64_t i = half; i < d; ++i) out[i] = x[i] * cos[i] + x[i - half] * sin[i];
+  }
+}
+
+using PartialScores = void (*)(const float*, int64_t, const float* const*, float*);
+using FoldValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, bool, float*);
+
+template <int CHUNKS, bool MASKED>
+struct Kernels {
+  static constexpr PartialScores scores[kTileHeads] = {
+      &partial_scores<1, CHUNKS, MASKED>, &partial_scores<2, CHUNKS, MASKED>, &partial_scores<3, CHUNKS, MASKED>,
+      &partial_scores<4, CHUNKS, MASKED>, &partial_scores<5, CHUNKS, MASKED>, &partial_scores<6, CHUNKS, MASKED>};
+  static constexpr int kValueChunks = CHUNKS < 4 ? CHUNKS : 4;
+  static constexpr FoldValues values[kValueHeads] = {
+      &fold_values<1, kValueChunks, MASKED>, &fold_values<2, kValueChunks, MASKED>, &fold_values<3, kValueChunks, MASKED>,
+      &fold_values<4, kValueChunks, MASKED>, &fold_values<5, kValueChunks, MASKED>, &fold_values<6, kValueChunks, MASKED>};
+};
+
+// The rows a work item attends for one KV head: row r sees the `cached` keys, then the new tokens at tail(r)
+struct Rows {
+  int64_t cached;
+  const std::vector<std::vector<int64_t>>* paths;  // empty: causal
+  int64_t seen(int64_t row) const {
+    return paths->empty() || (*paths)[row].empty() ? row + 1 : static_cast<int64_t>((*paths)[row].size());
+  }
+  int64_t length(int64_t row) const { return cached + seen(row); }
+  int64_t position(int64_t row, int64_t j) const {  // the cache position of the row's j-th key
+    if (j < cached || paths->empty() || (*paths)[row].empty()) return j;
+    return cached + (*paths)[row][j - cached];
+  }
+};
+
+// One work item: rows [r0, r1) of the KV head whose keys and values start at keys, values (one token each d floats
+// apart); q: the rotated queries [n, heads, d]; out [n, heads · d]
+template <int CHUNKS, bool MASKED>
+void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t heads, int64_t group, int64_t d,
+                 const float* q, const float* keys, const float* values, float scale, std::vector<float>& scratch,
+                 float* out) {
+  using K = Kernels<CHUNKS, MASKED>;
+  int64_t longest = 0;
+  for (int64_t r = r0; r < r1; ++r) longest = std::max(longest, rows.length(r));
+  const int64_t stride = (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // floats per (row, head) of scores
+  const int64_t count = r1 - r0;
+  scratch.resize(count * group * stride + kTileHeads * kKeyBlock * kLanes + kLanes);
+  float* partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
+  float* scores = partial + kTileHeads * kKeyBlock * kLanes;
+  const float* pointers[kValueBlock > kKeyBlock ? kValueBlock : kKeyBlock];
+  // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
+  for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t length = rows.length(r);
+      if (j0 >= length) continue;
+      // keys past the row's end: its first key (scored, not stored)
+      for (int t = 0; t < kKeyBlock; ++t) pointers[t] = keys + (j0 + t < length ? rows.position(r, j0 + t) : rows.position(r, 0)) * d;
+      const float* qr = q + (r * heads + kvh * group) * d;
+      float* sr = scores + (r - r0) * group * stride;
+      for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
+        const int tile = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
+        K::scores[tile - 1](qr + h0 * d, d, pointers, partial);
+        for (int h = 0; h < tile; ++h)
+          _mm512_mask_storeu_ps(sr + (h0 + h) * stride + j0, lane_mask(length - j0),
+                                _mm512_mul_ps(lane_sums(partial + h * kKeyBlock * kLanes), _mm512_set1_ps(scale)));
+      }
+    }
+  }
+  std::vector<float> inverses(count * group);
+  for (int64_t r = r0; r < r1; ++r)
+    for (int64_t g = 0; g < group; ++g)
+      inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
+  // values, a block at a time for every row and head
+  for (int64_t j0 = 0; j0 < longest; j0 += kValueBlock) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t length = rows.length(r);
+      if (j0 >= length) continue;
+      const int64_t block = std::min<int64_t>(kValueBlock, length - j0);
+      for (int64_t j = 0; j < block; ++j) pointers[j] = values + rows.position(r, j0 + j) * d;
+      const float* sr = scores + (r - r0) * group * stride + j0;
+      float* orow = out + (r * heads + kvh * group) * d;
+      for (int64_t h0 = 0; h0 < group; h0 += kValueHeads) {
+        const int tile = static_cast<int>(std::min<int64_t>(kValueHeads, group - h0));
+        K::values[tile - 1](sr + h0 * stride, stride, pointers, block, d, j0 == 0, orow + h0 * d);
+      }
+    }
+  }
+  for (int64_t r = r0; r < r1; ++r) {
+    float* orow = out + (r * heads + kvh * group) * d;
+    for (int64_t g = 0; g < group; ++g) {
+      const __m512 inv = _mm512_set1_ps(inverses[(r - r0) * group + g]);
+      for (int64_t c = 0; c < d; c += kLanes) {
+        const __mmask16 m = lane_mask(d - c);
+        _mm512_mask_storeu_ps(orow + g * d + c, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + g * d + c), inv));
+      }
+    }
   }
 }
 
@@ -189,14 +274,9 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   TORCH_CHECK(heads % kv_heads == 0, "row attention: ", heads, " query heads for ", kv_heads, " KV heads");
   TORCH_CHECK(paths.empty() || static_cast<int64_t>(paths.size()) == n, "row attention: one path per row");
   TORCH_CHECK(cached >= 0 && cached + n <= keys.size(1), "row attention: the new tokens end past the cache");
+  for (int64_t i = 0; i < static_cast<int64_t>(paths.size()); ++i)
+    for (int64_t p : paths[i]) TORCH_CHECK(p >= 0 && p < n, "row attention: path position ", p, " outside the new tokens");
   const int64_t group = heads / kv_heads;
-  int64_t longest = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    const int64_t seen = paths.empty() || paths[i].empty() ? i + 1 : static_cast<int64_t>(paths[i].size());
-    if (!paths.empty())
-      for (int64_t p : paths[i]) TORCH_CHECK(p >= 0 && p < n, "row attention: path position ", p, " outside the new tokens");
-    longest = std::max<int64_t>(longest, cached + seen);
-  }
   auto out = torch::empty({n, heads * d}, qkv.options());
   std::vector<float> q(n * heads * d);  // rotated queries
   const float* x = qkv.data_ptr<float>();
@@ -204,8 +284,19 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
   const float* sp = sin.data_ptr<float>();
   float* kp = keys.data_ptr<float>();
   float* vp = values.data_ptr<float>();
-  at::parallel_for(0, n, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t i = begin; i < end; ++i) {
+  float* op = out.data_ptr<float>();
+  const float fscale = static_cast<float>(scale);
+  // whole blocks of dimensions (the usual head sizes) load unmasked
+  const auto attend = d == 128 ? &attend_item<8, false> : d == 64 ? &attend_item<4, false> : &attend_item<kChunks, true>;
+  const Rows rows{cached, &paths};
+  // work items: each KV head's rows in as few blocks as keep every thread busy
+  const int threads = std::max(1, std::min<int>(at::get_num_threads(), static_cast<int>(n * kv_heads)));
+  const int64_t blocks_per_head = std::min<int64_t>(n, (threads + kv_heads - 1) / kv_heads);
+  const int64_t items = kv_heads * blocks_per_head;
+#pragma omp parallel num_threads(threads)
+  {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
       const float* row = x + i * qkv.stride(0);
       rotate(row, cp + i * d, sp + i * d, heads, d, q.data() + i * heads * d);
       for (int64_t h = 0; h < kv_heads; ++h) {
@@ -213,24 +304,15 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
         std::memcpy(vp + h * values.stride(0) + (cached + i) * d, row + (heads + kv_heads + h) * d, d * sizeof(float));
       }
     }
-  });
-  float* op = out.data_ptr<float>();
-  const float fscale = static_cast<float>(scale);
-  // whole blocks of dimensions (the usual head sizes) load unmasked
-  const auto attend = d == 128 ? &attend_group<8, false> : d == 64 ? &attend_group<4, false> : &attend_group<kChunks, true>;
-  at::parallel_for(0, n * kv_heads, 1, [&](int64_t begin, int64_t end) {
-    std::vector<float> scratch((longest + kLanes) * group), inverse(group);
-    std::vector<int64_t> positions(longest + kLanes, 0);  // zero: padding keys for `scores`
-    for (int64_t item = begin; item < end; ++item) {
-      const int64_t row = item / kv_heads, kvh = item % kv_heads;
-      const std::vector<int64_t>* path = paths.empty() || paths[row].empty() ? nullptr : &paths[row];
-      const int64_t length = cached + (path ? static_cast<int64_t>(path->size()) : row + 1);
-      for (int64_t j = 0; j < length; ++j) positions[j] = j < cached || !path ? j : cached + (*path)[j - cached];
-      attend(q.data() + (row * heads + kvh * group) * d, kp + kvh * keys.stride(0), vp + kvh * values.stride(0),
-             positions.data(), length, d, group, fscale, scratch.data(), longest + kLanes, inverse.data(),
-             op + (row * heads + kvh * group) * d);
+    std::vector<float> scratch;
+#pragma omp for schedule(static)
+    for (int64_t item = 0; item < items; ++item) {
+      const int64_t kvh = item / blocks_per_head, block = item % blocks_per_head;
+      const int64_t r0 = n * block / blocks_per_head, r1 = n * (block + 1) / blocks_per_head;
+      attend(rows, r0, r1, kvh, heads, group, d, q.data(), kp + kvh * keys.stride(0), vp + kvh * values.stride(0),
+             fscale, scratch, op);
     }
-  });
+  }
   return out;
 }
 
