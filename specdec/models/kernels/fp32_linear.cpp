@@ -23,7 +23,7 @@ constexpr int kMaxAccumulators = 24;     // + NR weights: within the 32 zmm
 constexpr int kMaxPanels = 4;
 // Calls of many rows prefetch each stream this many lines ahead into L1 and into L2: without it, 16 rows (where the
 // arithmetic takes as long as the stream) ran ~20% slower, the stream stalling behind the arithmetic. Calls of fewer
-// rows leave the stream to the hardware prefetcher: with the software prefetch, 1–8 rows ran 7–17% slower in fast
+// rows leave the stream to the hardware prefetcher: with the software prefetch, 1–8 rows ran 4–20% slower in fast
 // memory stretches and 2–6% slower in slow ones (the 1.5B's products, interleaved A/B).
 constexpr int64_t kPrefetchSteps = 24;
 constexpr int64_t kFarPrefetchSteps = 256;
