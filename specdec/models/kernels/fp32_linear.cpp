@@ -137,8 +137,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
         for (int64_t t = 0; t < row_tiles; ++t) {
           const int64_t m0 = t * max_rows, mr = std::min(max_rows, m - m0);
           kTiles[panels_here - 1][mr - 1](a + t * k * x_stride + k0 * x_stride, x_stride, steps,
-                                          p + (g * nr * k + k0) * kLanes, k * kLanes, t == 0 && m >= kPrefetchRows, k0 > 0, out + m0 * n + col,
-                                          n, width);
+                                          p + (g * nr * k + k0) * kLanes, k * kLanes, t == 0 && m >= kPrefetchRows,
+                                          k0 > 0, out + m0 * n + col, n, width);
         }
       }
       if (bias.has_value()) {

@@ -173,7 +173,8 @@ struct Kernels {
   static constexpr PartialScores scores[kTileHeads] = {
       &partial_scores<1, CHUNKS, MASKED>, &partial_scores<2, CHUNKS, MASKED>, &partial_scores<3, CHUNKS, MASKED>,
       &partial_scores<4, CHUNKS, MASKED>, &partial_scores<5, CHUNKS, MASKED>, &partial_scores<6, CHUNKS, MASKED>};
-  static constexpr int kRowChunks = std::min(CHUNKS, kRowValueChunks), kBlockChunks = std::min(CHUNKS, kBlockValueChunks);
+  static constexpr int kRowChunks = std::min(CHUNKS, kRowValueChunks);
+  static constexpr int kBlockChunks = std::min(CHUNKS, kBlockValueChunks);
   static constexpr FoldValues row_values[kRowValueHeads] = {
       &fold_values<1, kRowChunks, MASKED>, &fold_values<2, kRowChunks, MASKED>, &fold_values<3, kRowChunks, MASKED>};
   static constexpr FoldValues block_values[kBlockValueHeads] = {
@@ -216,7 +217,8 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       const int64_t length = rows.length(r);
       if (j0 >= length) continue;
       // keys past the row's end: its first key (scored, not stored)
-      for (int t = 0; t < kKeyBlock; ++t) pointers[t] = keys + (j0 + t < length ? rows.position(r, j0 + t) : rows.position(r, 0)) * d;
+      for (int t = 0; t < kKeyBlock; ++t)
+        pointers[t] = keys + (j0 + t < length ? rows.position(r, j0 + t) : rows.position(r, 0)) * d;
       const float* qr = q + (r * heads + kvh * group) * d;
       float* sr = scores + (r - r0) * group * stride;
       for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
