@@ -38,7 +38,7 @@ constexpr int kFarPrefetchRows = 2;
 // Decode and verification calls of four or five rows (one pass) leave their stream to the hardware prefetcher:
 // without the near prefetch they ran 6–11% faster (the 1.5B's products, interleaved A/B, fast and slow stretches);
 // 1–3 and 6 rows measured −5% to +4% without it, so they keep it
-constexpr int kHardwarePrefetchRows[2] = {4, 5};
+constexpr int kHardwarePrefetchMinRows = 4, kHardwarePrefetchMaxRows = 5;
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -119,6 +119,8 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
+  constexpr bool kHardwarePrefetchOnly =
+      kStepMajor && NR == kPanelZmm && MR >= kHardwarePrefetchMinRows && MR <= kHardwarePrefetchMaxRows;
   __m512i acc[MR][NR];
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
@@ -127,18 +129,18 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* step = panel + s * kStepBytes;
     const char* own = prefetch.own + s * kStepBytes;
-    if (kStepMajor && NR == kPanelZmm && MR >= kHardwarePrefetchRows[0] && MR <= kHardwarePrefetchRows[1]) {
-      // the hardware prefetcher's stream
-    } else if (NR == kPanelZmm || prefetch.own_all_lines) {
+    if constexpr (!kHardwarePrefetchOnly) {
+      if (NR == kPanelZmm || prefetch.own_all_lines) {
 #pragma GCC unroll 4
-      for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
-      if (MR <= kFarPrefetchRows) {
+        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
+        if (MR <= kFarPrefetchRows) {
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + kFarPrefetchSteps * kStepBytes + j * 64, _MM_HINT_T1);
+          for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + kFarPrefetchSteps * kStepBytes + j * 64, _MM_HINT_T1);
+        }
+      } else {
+#pragma GCC unroll 4
+        for (int j = 0; j < NR; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
       }
-    } else {
-#pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
     }
     for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
       _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);

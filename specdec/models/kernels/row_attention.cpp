@@ -207,9 +207,11 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   for (int64_t r = r0; r < r1; ++r) longest = std::max(longest, rows.length(r));
   const int64_t stride = (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // floats per (row, head) of scores
   const int64_t count = r1 - r0;
-  scratch.resize(count * group * stride + kTileHeads * kKeyBlock * kLanes + kLanes);
+  // one buffer per thread, kept across its items: partial sums (64-byte aligned), scores, 1 / Σ p per (row, head)
+  scratch.resize(kLanes + kTileHeads * kKeyBlock * kLanes + count * group * (stride + 1));
   float* partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(scratch.data()) + 63) & ~uintptr_t{63});
   float* scores = partial + kTileHeads * kKeyBlock * kLanes;
+  float* inverses = scores + count * group * stride;
   const float* pointers[kValueBlock > kKeyBlock ? kValueBlock : kKeyBlock];
   // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
@@ -230,7 +232,6 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       }
     }
   }
-  std::vector<float> inverses(count * group);
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t g = 0; g < group; ++g)
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
