@@ -45,7 +45,7 @@ constexpr int kBlockValueHeads = 6, kBlockValueChunks = 4;
 constexpr int64_t kValueBlock = 32;   // values per visit of the accumulators (16 KiB at D = 128: stays in L1)
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
-// of the lane sums it replaces (attention alone, 28 layers, context 1024, 8 / 16 rows: 5–13% faster); one row alone
+// of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one row alone
 // keeps partial_scores (transposing for six queries cost more: 4.98 against 4.25 ms at context 1024).
 constexpr int kTransposedMinRows = 2;
 constexpr int kTransposedQueries = 4;  // queries per tile: 2 × 4 chains + the tree's partial sums + 2 key rows
@@ -129,8 +129,8 @@ void transpose_keys(const float* const* key, int64_t offset, float* kt) {
     u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
     u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
   }
-#pragma GCC unroll 2
   // keys 8h … 8h + 7: dimensions c, c + 8 of t[8h + c], and c + 4, c + 12 of t[8h + 4 + c]
+#pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
