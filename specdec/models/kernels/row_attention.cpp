@@ -45,8 +45,8 @@ constexpr int kBlockValueHeads = 6, kBlockValueChunks = 4;
 constexpr int64_t kValueBlock = 32;   // values per visit of the accumulators (16 KiB at D = 128: stays in L1)
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
-// of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one row alone
-// keeps partial_scores (transposing for six queries cost more: 4.98 against 4.25 ms at context 1024).
+// of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one
+// row alone keeps partial_scores (transposing for six queries cost more: 4.98 against 4.25 ms at context 1024).
 constexpr int kTransposedMinRows = 2;
 constexpr int kTransposedQueries = 4;  // queries per tile: 2 × 4 chains + the tree's partial sums + 2 key rows
 
@@ -58,7 +58,8 @@ __m512 load(__mmask16 mask, const float* p) {
 }
 
 // Sixteen vectors' lane sums in one vector (lane t: the sum of v[t]), each by the same addition tree whatever its
-// slot: pairs within 128-bit quarters, then the quarter, then the quarters pairwise
+// slot: pairs within 128-bit quarters, then the quarter, then the quarters pairwise (transposed_scores adds the
+// lanes by this same tree: a change here is a change there)
 __m512 lane_sums(const float* partial) {
   __m512 v[kLanes], x[8], y[4];
 #pragma GCC unroll 16
@@ -309,15 +310,16 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
     if (transposed && j0 + kKeyBlock <= rows.cached) {  // a block of cached keys, which every row sees
       for (int t = 0; t < kKeyBlock; ++t) pointers[t] = keys + (j0 + t) * d;
       for (int c = 0; c < CHUNKS; ++c) transpose_keys(pointers, c * kLanes, kt + c * kLanes * kLanes);
+      // the item's queries in order: (row r, head h), h fastest
       const int64_t queries = count * group;
-      for (int64_t i0 = 0; i0 < queries; i0 += kTransposedQueries) {
+      for (int64_t i0 = 0, r = r0, h = 0; i0 < queries; i0 += kTransposedQueries) {
         const int tile = static_cast<int>(std::min<int64_t>(kTransposedQueries, queries - i0));
         const float* qs[kTransposedQueries];
         float* outs[kTransposedQueries];
         for (int i = 0; i < tile; ++i) {
-          const int64_t r = r0 + (i0 + i) / group, h = (i0 + i) % group;
           qs[i] = q + (r * heads + kvh * group + h) * d;
           outs[i] = scores + ((r - r0) * group + h) * stride + j0;
+          if (++h == group) h = 0, ++r;
         }
         K::transposed[tile - 1](qs, kt, scale, outs);
       }
