@@ -90,6 +90,17 @@ def test_vnni_kernel_equals_onednn_bitwise(rows, out_features, in_features, with
         assert torch.equal(vnni(x[i : i + 1])[0], together[i])
 
 
+@needs_vnni
+def test_vnni_kernel_on_huge_pages_equals_onednn_bitwise():
+    """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones."""
+    g = torch.Generator().manual_seed(3)
+    weight, bias = torch.randn(2048, 1536, generator=g) * 0.05, torch.randn(2048, generator=g)
+    x = torch.randn(9, 1536, generator=g)
+    vnni = VnniInt8Linear(weight, bias)
+    assert vnni.packed.data_ptr() % 2**21 == 0
+    assert torch.equal(vnni(x), OneDnnInt8Linear(weight, bias)(x))
+
+
 def test_int8_kernel_is_chosen_once_per_process():
     chosen = linear_kernel(torch.float32, "cpu", "int8")
     assert chosen is (VnniInt8Linear if kernels.int8_vnni() is not None else OneDnnInt8Linear)

@@ -2,9 +2,10 @@
 //
 // y[m, n] = Σ_k x[m, k] · W[n, k] + b[n], every sum one chain of fused multiply-adds in k order from 0, whatever the
 // number of rows or the tiling: a row's result is bitwise the same alone or with others (batch invariance).
-// Weights are packed once into panels of 16 output channels, k-major ([N / 16][K][16]): a panel is one sequential
-// stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR ≤ 24 accumulators in registers
-// and reads NR streams; the rows' inputs come k-major (x transposed once), so a k-step's broadcasts share a line.
+// Weights are packed once into panels of 16 output channels, k-major ([N / 16][K][16]), on 2 MiB pages (huge_pages.h):
+// a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR ≤ 24
+// accumulators in registers and reads NR streams; the rows' inputs come k-major (x transposed once), so a k-step's
+// broadcasts share a line.
 // Up to 24 rows take one tile (1–6 rows over 4 panels, 7–8 over 3, 9–12 over 2, 13–24 over 1): every weight is read
 // from memory once. More rows: tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the
 // partial sums wait in y between chunks: storing a float32 and loading it back is exact, so the chain is unchanged).
@@ -15,6 +16,8 @@
 #include <array>
 #include <cstdint>
 #include <utility>
+
+#include "huge_pages.h"
 
 namespace {
 
@@ -35,7 +38,7 @@ torch::Tensor pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kFloat32 && weight.dim() == 2, "pack: float32 [N, K] weights expected");
   weight = weight.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1), panels = (n + kLanes - 1) / kLanes;
-  auto packed = torch::zeros({panels, k, kLanes}, torch::kFloat32);
+  auto packed = specdec::zeros_on_huge_pages({panels, k, kLanes}, torch::kFloat32);
   const float* w = weight.data_ptr<float>();
   float* p = packed.data_ptr<float>();
   at::parallel_for(0, panels, 16, [&](int64_t begin, int64_t end) {

@@ -3,8 +3,8 @@
 // y[m, n] = (Σ_k xq[m, k] · W[n, k]) · s_w[n] · s_x[m] + b[n], with xq = round(x / s_x) per row (s_x = max|x| / 127)
 // and exact int32 sums: a row's result never depends on the other rows (batch invariance).
 // Weights are packed once into panels of 64 output channels, k-step-major: [N / 64][K / 4][64][4] (four zmm of
-// vpdpbusd per k-step, read as one sequential stream); activations are shifted to u8 (+128) for vpdpbusd, and
-// 128 · Σ_k W[n, k] is subtracted back.
+// vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h); activations are shifted to u8
+// (+128) for vpdpbusd, and 128 · Σ_k W[n, k] is subtracted back.
 // Up to 24 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels, ≤ 12 × 32, ≤ 24 × 16): one to four
 // passes over a panel. The first pass streams the panel from memory; every pass also prefetches its share of the
 // thread's next panel into L2, so the stream overlaps the arithmetic of all passes (without that, 8 rows cost
@@ -22,6 +22,8 @@
 #include <utility>
 #include <vector>
 
+#include "huge_pages.h"
+
 namespace {
 
 constexpr int64_t kLanes = 16;     // output channels per zmm
@@ -30,15 +32,16 @@ constexpr int64_t kBlock = kLanes * kPanelZmm;
 constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
-// Tiles of one or two rows read memory fastest and wait on it most: they also prefetch this many steps further
-// ahead into L2 (a model's products +6–10% at 1–2 rows, in fast and slow stretches alike; at 3–6 rows it measured
-// −12% to +3% depending on the stretch, so they don't)
+// One-row tiles (plain decoding) read memory fastest and wait on it most: they also prefetch this many steps further
+// ahead into L2 (a model's products +6–10% on 4 KiB pages, in fast and slow stretches alike; on 2 MiB pages the
+// hardware prefetcher alone ran 2–4% slower in fast memory)
 constexpr int64_t kFarPrefetchSteps = 24;
-constexpr int kFarPrefetchRows = 2;
-// Decode and verification calls of four or five rows (one pass) leave their stream to the hardware prefetcher:
-// without the near prefetch they ran 6–11% faster (the 1.5B's products, interleaved A/B, fast and slow stretches);
-// 1–3 and 6 rows measured −5% to +4% without it, so they keep it
-constexpr int kHardwarePrefetchMinRows = 4, kHardwarePrefetchMaxRows = 5;
+constexpr int kFarPrefetchRows = 1;
+// Decode and verification calls of two to five rows (one pass) leave their stream to the hardware prefetcher. On 2
+// MiB pages that ran 2 / 3 rows 8–16% / 4–12% faster than the near and far prefetches (the 1.5B's products,
+// interleaved A/B in shuffled order, fast memory; 4 and 5 rows already did so on 4 KiB pages: 6–11% faster); 6 rows
+// ran 6% slower without them, so they keep them
+constexpr int kHardwarePrefetchMinRows = 2, kHardwarePrefetchMaxRows = 5;
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -46,7 +49,7 @@ std::vector<torch::Tensor> pack(torch::Tensor weight) {
   weight = weight.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t np = (n + kBlock - 1) / kBlock * kBlock, kp = (k + 3) / 4 * 4;
-  auto packed = torch::zeros({np / kBlock, kp / 4, kBlock, 4}, torch::kInt8);
+  auto packed = specdec::zeros_on_huge_pages({np / kBlock, kp / 4, kBlock, 4}, torch::kInt8);
   auto colsum = torch::zeros({np}, torch::kInt32);
   const int8_t* w = weight.data_ptr<int8_t>();
   int8_t* p = packed.data_ptr<int8_t>();
