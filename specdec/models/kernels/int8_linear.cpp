@@ -34,13 +34,13 @@ constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: wi
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
 // One-row tiles (plain decoding) read memory fastest and wait on it most: they also prefetch this many steps further
 // ahead into L2 (a model's products +6–10% on 4 KiB pages, in fast and slow stretches alike; on 2 MiB pages the
-// hardware prefetcher alone ran 2–4% slower in fast memory)
+// hardware prefetcher alone measured 0.94–1.02 of their time, no gain)
 constexpr int64_t kFarPrefetchSteps = 24;
 constexpr int kFarPrefetchRows = 1;
 // Decode and verification calls of two to five rows (one pass) leave their stream to the hardware prefetcher. On 2
-// MiB pages that ran 2 / 3 rows 8–16% / 4–12% faster than the near and far prefetches (the 1.5B's products,
-// interleaved A/B in shuffled order, fast memory; 4 and 5 rows already did so on 4 KiB pages: 6–11% faster); 6 rows
-// ran 6% slower without them, so they keep them
+// MiB pages that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches (the
+// 1.5B's products, interleaved A/B in shuffled order, fast memory; 4 and 5 rows already did so on 4 KiB pages:
+// 6–11% faster); 6 rows took 1.03–1.06 without them, so they keep them
 constexpr int kHardwarePrefetchMinRows = 2, kHardwarePrefetchMaxRows = 5;
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
