@@ -5,11 +5,12 @@
 // Weights are packed once into panels of 64 output channels, k-step-major: [N / 64][K / 4][64][4] (four zmm of
 // vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h); activations are shifted to u8
 // (+128) for vpdpbusd, and 128 · Σ_k W[n, k] is subtracted back.
-// Up to 24 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels, ≤ 12 × 32, ≤ 24 × 16): one to four
-// passes over a panel. The first pass streams the panel from memory; every pass also prefetches its share of the
-// thread's next panel into L2, so the stream overlaps the arithmetic of all passes (without that, 8 rows cost
-// ~1.5× 6 rows: the second pass computed while memory idled). More rows (prefill): tiles of ≤ 6 rows, one pass
-// each.
+// Up to 12 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels, ≤ 12 × 32): one or two passes over a
+// panel. More rows take tiles of ≤ 6 rows × 64 channels, one pass each (13–24 rows: 0.87–0.93 of the time of one
+// tile of ≤ 24 rows × 16 channels in four passes, the 1.5B's products; 13–15 rows equal). The first pass streams
+// the panel from memory; every pass also prefetches its share of the thread's next panel into L2, so the stream
+// overlaps the arithmetic of all passes (without that, 8 rows cost ~1.5× 6 rows: the second pass computed while
+// memory idled).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -31,6 +32,7 @@ constexpr int64_t kPanelZmm = 4;   // zmm of channels per packed panel: 64 chann
 constexpr int64_t kBlock = kLanes * kPanelZmm;
 constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
+constexpr int64_t kOneTileMaxRows = kMaxAccumulators / 2;  // over 32 channels; more rows: tiles of ≤ 6
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
 // One-row tiles (plain decoding) read memory fastest and wait on it most: they also prefetch this many steps further
 // ahead into L2 (a model's products +6–10% on 4 KiB pages, in fast and slow stretches alike; on 2 MiB pages the
@@ -170,9 +172,8 @@ template <int NR, bool kStepMajor, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
   return {&micro_tile<MR + 1, NR, kStepMajor>...};
 }
-// all rows in one tile, k-step-major: 1 … 24 / 12 / 6 rows over 1 / 2 / 4 zmm of channels; many rows, row-major:
-// tiles of 1 … 6 over 4
-const auto kTiles1 = tiles_of<1, true>(std::make_integer_sequence<int, kMaxAccumulators>{});
+// all rows in one tile, k-step-major: 1 … 12 / 6 rows over 2 / 4 zmm of channels; more rows, row-major: tiles of
+// 1 … 6 over 4
 const auto kTiles2 = tiles_of<2, true>(std::make_integer_sequence<int, kMaxAccumulators / 2>{});
 const auto kTiles4 = tiles_of<4, true>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
 const auto kRowMajorTiles4 = tiles_of<4, false>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
@@ -193,16 +194,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  // channels per pass (zmm): as many as the rows leave accumulators for; past 24 rows, near-equal tiles of ≤ 6
-  const int nr = m <= 6 ? 4 : m <= 12 ? 2 : m <= kMaxAccumulators ? 1 : 4;
+  // channels per pass (zmm): as many as the rows leave accumulators for; past 12 rows, near-equal tiles of ≤ 6
+  const int nr = m <= 6 ? 4 : m <= kOneTileMaxRows ? 2 : 4;
   const int64_t max_rows = kMaxAccumulators / nr;
   const int64_t row_tiles = (m + max_rows - 1) / max_rows;
   const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;
   quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data());
-  const TileFn* tiles = row_tiles > 1 ? kRowMajorTiles4.data()
-                        : nr == 4    ? kTiles4.data()
-                        : nr == 2    ? kTiles2.data()
-                                     : kTiles1.data();
+  const TileFn* tiles = row_tiles > 1 ? kRowMajorTiles4.data() : nr == 4 ? kTiles4.data() : kTiles2.data();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
     alignas(64) int32_t acc[kMaxAccumulators * kLanes];
     for (int64_t nb = begin; nb < end; ++nb) {
