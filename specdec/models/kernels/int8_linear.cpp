@@ -6,11 +6,11 @@
 // vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h); activations are shifted to u8
 // (+128) for vpdpbusd, and 128 · Σ_k W[n, k] is subtracted back.
 // Up to 12 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels, ≤ 12 × 32): one or two passes over a
-// panel. More rows take tiles of ≤ 6 rows × 64 channels, one pass each (13–24 rows: 0.87–0.93 of the time of one
-// tile of ≤ 24 rows × 16 channels in four passes, the 1.5B's products; 13–15 rows equal). The first pass streams
-// the panel from memory; every pass also prefetches its share of the thread's next panel into L2, so the stream
-// overlaps the arithmetic of all passes (without that, 8 rows cost ~1.5× 6 rows: the second pass computed while
-// memory idled).
+// panel. More rows take tiles of ≤ 6 rows × 64 channels, one pass each (16–24 rows: 0.87–0.93 of the time of one
+// tile of ≤ 24 rows × 16 channels in four passes, the 1.5B's products; 13–15 rows within noise). The first pass
+// streams the panel from memory; every pass also prefetches its share of the thread's next panel into L2, so the
+// stream overlaps the arithmetic of all passes (without that, 8 rows cost ~1.5× 6 rows: the second pass computed
+// while memory idled).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
