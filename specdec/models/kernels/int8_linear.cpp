@@ -195,7 +195,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
   // channels per pass (zmm): as many as the rows leave accumulators for; past 12 rows, near-equal tiles of ≤ 6
-  const int nr = m <= 6 ? 4 : m <= kOneTileMaxRows ? 2 : 4;
+  const int nr = m > 6 && m <= kOneTileMaxRows ? 2 : 4;
   const int64_t max_rows = kMaxAccumulators / nr;
   const int64_t row_tiles = (m + max_rows - 1) / max_rows;
   const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;

@@ -231,9 +231,10 @@ void fold_values(const float* p, int64_t stride, const float* const* value, int6
 
 // tokens [first, end) of a KV head's keys or values (d floats each) into L2
 void prefetch_tokens(const float* tokens, int64_t first, int64_t end, int64_t d) {
-  const char* begin = reinterpret_cast<const char*>(tokens + first * d);
-  const char* stop = reinterpret_cast<const char*>(tokens + std::max(first, end) * d);
-  for (const char* line = begin; line < stop; line += 64) _mm_prefetch(line, _MM_HINT_T1);
+  if (end <= first) return;
+  const char* stop = reinterpret_cast<const char*>(tokens + end * d);
+  for (const char* line = reinterpret_cast<const char*>(tokens + first * d); line < stop; line += 64)
+    _mm_prefetch(line, _MM_HINT_T1);
 }
 
 // p = exp(s − max s) in place over s[0, length); returns 1 / Σ p
@@ -318,8 +319,9 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   const float* pointers[kValueBlock > kKeyBlock ? kValueBlock : kKeyBlock];
   // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
   const bool transposed = !MASKED && count >= kTransposedMinRows;
+  const bool prefetch = count >= kPrefetchMinRows;
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
-    if (count >= kPrefetchMinRows) prefetch_tokens(keys, j0 + kKeyBlock, std::min(rows.cached, j0 + 2 * kKeyBlock), d);
+    if (prefetch) prefetch_tokens(keys, j0 + kKeyBlock, std::min(rows.cached, j0 + 2 * kKeyBlock), d);
     if (transposed && j0 + kKeyBlock <= rows.cached) {  // a block of cached keys, which every row sees
       for (int t = 0; t < kKeyBlock; ++t) pointers[t] = keys + (j0 + t) * d;
       for (int c = 0; c < CHUNKS; ++c) transpose_keys(pointers, c * kLanes, kt + c * kLanes * kLanes);
@@ -360,8 +362,7 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
   // values, a block at a time for every row and head
   for (int64_t j0 = 0; j0 < longest; j0 += kValueBlock) {
-    if (count >= kPrefetchMinRows)
-      prefetch_tokens(values, j0 + kValueBlock, std::min(rows.cached, j0 + 2 * kValueBlock), d);
+    if (prefetch) prefetch_tokens(values, j0 + kValueBlock, std::min(rows.cached, j0 + 2 * kValueBlock), d);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t length = rows.length(r);
       if (j0 >= length) continue;
