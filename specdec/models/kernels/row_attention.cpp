@@ -49,11 +49,40 @@ constexpr int64_t kValueBlock = 32;   // values per visit of the accumulators (1
 // row alone keeps partial_scores (transposing for six queries cost more: 4.98 against 4.25 ms at context 1024).
 constexpr int kTransposedMinRows = 2;
 constexpr int kTransposedQueries = 4;  // queries per tile: 2 × 4 chains + the tree's partial sums + 2 key rows
-// Items of two or more rows prefetch the next block of cached keys (values) into L2 while they score (fold) one:
-// their blocks take long enough that the hardware prefetcher alone leaves the stream behind (attention alone, 28
-// layers, caches flushed between layers, two runs of nine rounds: context 1024, 2 / 8 / 16 rows → 0.74–0.80 /
-// 0.86–0.94 / 0.96–0.97 of the time; context 128 0.94–1.03); one row alone is faster without (1.07–1.34 with)
-constexpr int64_t kPrefetchMinRows = 2;
+// Every item prefetches the next block of cached keys (values) into L2 while it scores (folds) one, a few lines at
+// each step of the arithmetic (Prefetcher). A block's lines prefetched at once stall the loads queued behind them
+// until memory answers, so the stream hardly overlapped the arithmetic: from memory an item cost about its time in
+// cache plus the stream's (attention alone, 28 layers, caches flushed between layers, context 1024, 1 / 2 / 8 / 16
+// rows: 4.7 / 7.0 / 15.1 / 22.3 ms against 2.1 / 3.1 / 9.8 / 18.4 from cache). Spread out, at context 1024: 0.70–0.78
+// / 0.60–0.62 / 0.65–0.82 / 0.89–1.02 of the burst's time (one row had no prefetch before: the hardware's alone);
+// context 300: 1.00 / 0.73–0.78 / 0.84–0.87; one row at context 64–200: 0.96–1.07.
+
+// The cached keys or values of a KV head (d floats per token) fetched into L2 ahead of their use, spread over the
+// steps of the arithmetic: aim() sets how far to fetch and over how many steps
+class Prefetcher {
+ public:
+  Prefetcher(const float* tokens, int64_t d, int64_t first)
+      : tokens_(reinterpret_cast<const char*>(tokens)), token_bytes_(d * sizeof(float)),
+        next_(tokens_ + first * token_bytes_), stop_(next_) {}
+  // the lines up to token `end` not yet fetched, over the next `steps` calls of step()
+  void aim(int64_t end, int64_t steps) {
+    stop_ = std::max(stop_, tokens_ + end * token_bytes_);
+    const int64_t lines = (stop_ - next_ + 63) / 64;
+    rate_ = steps > 0 ? (lines * kOne + steps - 1) / steps : lines * kOne;
+  }
+  void step() {
+    for (credit_ += rate_; credit_ >= kOne && next_ < stop_; credit_ -= kOne, next_ += 64) _mm_prefetch(next_, _MM_HINT_T1);
+    if (next_ >= stop_) credit_ = 0;
+  }
+
+ private:
+  static constexpr int64_t kOne = 256;  // a line, in the rate's fixed point
+  const char* tokens_;
+  int64_t token_bytes_;
+  const char* next_;
+  const char* stop_;
+  int64_t rate_ = 0, credit_ = 0;
+};
 
 // a zmm of floats; masked only where the head dimension is not a whole number of blocks
 template <bool MASKED>
@@ -87,7 +116,7 @@ __m512 lane_sums(const float* partial) {
 // partial[h][t] (sixteen floats each) = q_h · k_t folded per lane over the dimensions in order (fused
 // multiply-adds), for HEADS heads (queries d floats apart) and the sixteen keys key[t]
 template <int HEADS, int CHUNKS, bool MASKED>
-void partial_scores(const float* q, int64_t d, const float* const* key, float* partial) {
+void partial_scores(const float* q, int64_t d, const float* const* key, float* partial, Prefetcher& ahead) {
   for (int t0 = 0; t0 < kKeyBlock; t0 += kTileKeys) {
     __m512 acc[HEADS][kTileKeys];
 #pragma GCC unroll 6
@@ -97,6 +126,7 @@ void partial_scores(const float* q, int64_t d, const float* const* key, float* p
     for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) {
+        ahead.step();
         const int64_t offset = base + c * kLanes;
         const __mmask16 mask = lane_mask(d - offset);
         __m512 qv[HEADS];
@@ -155,13 +185,14 @@ void transpose_keys(const float* const* key, int64_t offset, float* kt) {
 // summed by the same tree), computed a lane of dimensions at a time for all sixteen keys, so one transposition of
 // the keys serves every query and no partial sums go through memory
 template <int QUERIES, int CHUNKS>
-void transposed_scores(const float* const* q, const float* kt, float scale, float* const* out) {
+void transposed_scores(const float* const* q, const float* kt, float scale, float* const* out, Prefetcher& ahead) {
   __m512 quarters[QUERIES][2];  // the tree's (quarter 0 + 1) and quarter 2
 #pragma GCC unroll 4
   for (int quarter = 0; quarter < 4; ++quarter) {
     __m512 pairs[QUERIES];
 #pragma GCC unroll 2
     for (int pair = 0; pair < 2; ++pair) {
+      ahead.step();
       const int la = 4 * quarter + pair, lb = la + 2;  // the tree adds lanes l and l + 2 first
       __m512 a[QUERIES], b[QUERIES];
 #pragma GCC unroll 6
@@ -199,7 +230,7 @@ void transposed_scores(const float* const* q, const float* kt, float scale, floa
 // between blocks of values (a float stored and loaded back is exact), so each is one chain over all the values.
 template <int HEADS, int CHUNKS, bool MASKED>
 void fold_values(const float* p, int64_t stride, const float* const* value, int64_t count, int64_t d, bool first,
-                 float* out) {
+                 float* out, Prefetcher& ahead) {
   for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
     __mmask16 masks[CHUNKS];
     __m512 acc[HEADS][CHUNKS];
@@ -211,6 +242,7 @@ void fold_values(const float* p, int64_t stride, const float* const* value, int6
         acc[h][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], out + h * d + base + c * kLanes);
     }
     for (int64_t j = 0; j < count; ++j) {
+      ahead.step();
       const float* v = value[j] + base;
       __m512 vv[CHUNKS];
 #pragma GCC unroll 8
@@ -227,14 +259,6 @@ void fold_values(const float* p, int64_t stride, const float* const* value, int6
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out + h * d + base + c * kLanes, masks[c], acc[h][c]);
   }
-}
-
-// tokens [first, end) of a KV head's keys or values (d floats each) into L2
-void prefetch_tokens(const float* tokens, int64_t first, int64_t end, int64_t d) {
-  if (end <= first) return;
-  const char* stop = reinterpret_cast<const char*>(tokens + end * d);
-  for (const char* line = reinterpret_cast<const char*>(tokens + first * d); line < stop; line += 64)
-    _mm_prefetch(line, _MM_HINT_T1);
 }
 
 // p = exp(s − max s) in place over s[0, length); returns 1 / Σ p
@@ -263,9 +287,9 @@ void rotate(const float* x, const float* cos, const float* sin, int64_t heads, i
   }
 }
 
-using PartialScores = void (*)(const float*, int64_t, const float* const*, float*);
-using TransposedScores = void (*)(const float* const*, const float*, float, float* const*);
-using FoldValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, bool, float*);
+using PartialScores = void (*)(const float*, int64_t, const float* const*, float*, Prefetcher&);
+using TransposedScores = void (*)(const float* const*, const float*, float, float* const*, Prefetcher&);
+using FoldValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, bool, float*, Prefetcher&);
 
 template <int CHUNKS, bool MASKED>
 struct Kernels {
@@ -319,14 +343,23 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   const float* pointers[kValueBlock > kKeyBlock ? kValueBlock : kKeyBlock];
   // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
   const bool transposed = !MASKED && count >= kTransposedMinRows;
-  const bool prefetch = count >= kPrefetchMinRows;
+  // steps of the arithmetic per block: a transposed block's query tiles × 8, or per row and tile of heads, 4 key
+  // tiles × d / 16 lanes; values: per row and tile of heads, the block's values × the tile's passes over d
+  const int64_t queries = count * group;
+  const int64_t transposed_steps = (queries + kTransposedQueries - 1) / kTransposedQueries * 8;
+  const int64_t partial_steps = count * ((group + kTileHeads - 1) / kTileHeads) * (kKeyBlock / kTileKeys) * ((d + kLanes - 1) / kLanes);
+  const int64_t value_heads = count == 1 ? kRowValueHeads : kBlockValueHeads;
+  const int64_t value_chunks = count == 1 ? K::kRowChunks : K::kBlockChunks;
+  const int64_t value_steps = count * ((group + value_heads - 1) / value_heads) * kValueBlock *
+                              ((d + value_chunks * kLanes - 1) / (value_chunks * kLanes));
+  Prefetcher ahead_keys(keys, d, std::min<int64_t>(rows.cached, kKeyBlock));
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
-    if (prefetch) prefetch_tokens(keys, j0 + kKeyBlock, std::min(rows.cached, j0 + 2 * kKeyBlock), d);
-    if (transposed && j0 + kKeyBlock <= rows.cached) {  // a block of cached keys, which every row sees
+    const bool block_transposed = transposed && j0 + kKeyBlock <= rows.cached;
+    ahead_keys.aim(std::min(rows.cached, j0 + 2 * kKeyBlock), block_transposed ? transposed_steps : partial_steps);
+    if (block_transposed) {  // a block of cached keys, which every row sees
       for (int t = 0; t < kKeyBlock; ++t) pointers[t] = keys + (j0 + t) * d;
       for (int c = 0; c < CHUNKS; ++c) transpose_keys(pointers, c * kLanes, kt + c * kLanes * kLanes);
       // the item's queries in order: (row r, head h), h fastest
-      const int64_t queries = count * group;
       for (int64_t i0 = 0, r = r0, h = 0; i0 < queries; i0 += kTransposedQueries) {
         const int tile = static_cast<int>(std::min<int64_t>(kTransposedQueries, queries - i0));
         const float* qs[kTransposedQueries];
@@ -336,7 +369,7 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
           outs[i] = scores + ((r - r0) * group + h) * stride + j0;
           if (++h == group) h = 0, ++r;
         }
-        K::transposed[tile - 1](qs, kt, scale, outs);
+        K::transposed[tile - 1](qs, kt, scale, outs, ahead_keys);
       }
       continue;
     }
@@ -350,7 +383,7 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       float* sr = scores + (r - r0) * group * stride;
       for (int64_t h0 = 0; h0 < group; h0 += kTileHeads) {
         const int tile = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
-        K::scores[tile - 1](qr + h0 * d, d, pointers, partial);
+        K::scores[tile - 1](qr + h0 * d, d, pointers, partial, ahead_keys);
         for (int h = 0; h < tile; ++h)
           _mm512_mask_storeu_ps(sr + (h0 + h) * stride + j0, lane_mask(length - j0),
                                 _mm512_mul_ps(lane_sums(partial + h * kKeyBlock * kLanes), _mm512_set1_ps(scale)));
@@ -360,9 +393,12 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   for (int64_t r = r0; r < r1; ++r)
     for (int64_t g = 0; g < group; ++g)
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
-  // values, a block at a time for every row and head
+  // values, a block at a time for every row and head (the first block's lines fetched at once)
+  Prefetcher ahead_values(values, d, 0);
+  ahead_values.aim(std::min(rows.cached, kValueBlock), 0);
+  ahead_values.step();
   for (int64_t j0 = 0; j0 < longest; j0 += kValueBlock) {
-    if (prefetch) prefetch_tokens(values, j0 + kValueBlock, std::min(rows.cached, j0 + 2 * kValueBlock), d);
+    ahead_values.aim(std::min(rows.cached, j0 + 2 * kValueBlock), value_steps);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t length = rows.length(r);
       if (j0 >= length) continue;
@@ -370,11 +406,10 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       for (int64_t j = 0; j < block; ++j) pointers[j] = values + rows.position(r, j0 + j) * d;
       const float* sr = scores + (r - r0) * group * stride + j0;
       float* orow = out + (r * heads + kvh * group) * d;
-      const int64_t tile_heads = count == 1 ? kRowValueHeads : kBlockValueHeads;
       const FoldValues* tiles = count == 1 ? K::row_values : K::block_values;
-      for (int64_t h0 = 0; h0 < group; h0 += tile_heads) {
-        const int tile = static_cast<int>(std::min<int64_t>(tile_heads, group - h0));
-        tiles[tile - 1](sr + h0 * stride, stride, pointers, block, d, j0 == 0, orow + h0 * d);
+      for (int64_t h0 = 0; h0 < group; h0 += value_heads) {
+        const int tile = static_cast<int>(std::min<int64_t>(value_heads, group - h0));
+        tiles[tile - 1](sr + h0 * stride, stride, pointers, block, d, j0 == 0, orow + h0 * d, ahead_values);
       }
     }
   }
