@@ -55,7 +55,7 @@ constexpr int kTransposedQueries = 4;  // queries per tile: 2 × 4 chains + the 
 // cache plus the stream's (attention alone, 28 layers, caches flushed between layers, context 1024, 1 / 2 / 8 / 16
 // rows: 4.7 / 7.0 / 15.1 / 22.3 ms against 2.1 / 3.1 / 9.8 / 18.4 from cache). Spread out, at context 1024: 0.70–0.78
 // / 0.60–0.62 / 0.65–0.82 / 0.89–1.02 of the burst's time (one row had no prefetch before: the hardware's alone);
-// context 300: 1.00 / 0.73–0.78 / 0.84–0.87; one row at context 64–200: 0.96–1.07.
+// context 300: 0.98–1.00 / 0.73–0.78 / 0.84–0.87; one row at context 64–200: 0.96–1.07.
 
 // The cached keys or values of a KV head (d floats per token) fetched into L2 ahead of their use, spread over the
 // steps of the arithmetic: aim() sets how far to fetch and over how many steps
