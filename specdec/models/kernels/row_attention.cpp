@@ -64,14 +64,15 @@ class Prefetcher {
   Prefetcher(const float* tokens, int64_t d, int64_t first)
       : tokens_(reinterpret_cast<const char*>(tokens)), token_bytes_(d * sizeof(float)),
         next_(tokens_ + first * token_bytes_), stop_(next_) {}
-  // the lines up to token `end` not yet fetched, over the next `steps` calls of step()
+  // the lines up to token `end` not yet fetched, over the next `steps` (≥ 1) calls of step()
   void aim(int64_t end, int64_t steps) {
     stop_ = std::max(stop_, tokens_ + end * token_bytes_);
     const int64_t lines = (stop_ - next_ + 63) / 64;
-    rate_ = steps > 0 ? (lines * kOne + steps - 1) / steps : lines * kOne;
+    rate_ = (lines * kOne + steps - 1) / steps;
   }
   void step() {
-    for (credit_ += rate_; credit_ >= kOne && next_ < stop_; credit_ -= kOne, next_ += 64) _mm_prefetch(next_, _MM_HINT_T1);
+    for (credit_ += rate_; credit_ >= kOne && next_ < stop_; credit_ -= kOne, next_ += 64)
+      _mm_prefetch(next_, _MM_HINT_T1);
     if (next_ >= stop_) credit_ = 0;
   }
 
@@ -395,7 +396,7 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
   // values, a block at a time for every row and head (the first block's lines fetched at once)
   Prefetcher ahead_values(values, d, 0);
-  ahead_values.aim(std::min(rows.cached, kValueBlock), 0);
+  ahead_values.aim(std::min(rows.cached, kValueBlock), 1);
   ahead_values.step();
   for (int64_t j0 = 0; j0 < longest; j0 += kValueBlock) {
     ahead_values.aim(std::min(rows.cached, j0 + 2 * kValueBlock), value_steps);
