@@ -11,8 +11,8 @@
 // What the rows share is read once: a work item is one KV head and a block of rows; it scores sixteen keys at a
 // time for all its rows and query heads (a tile of up to six heads × four keys reuses each load of a key across
 // the heads and of a query across the keys; with several rows, the block is transposed once and every query
-// folds each lane of dimensions for all sixteen keys at once), and folds the values in blocks that stay in L1
-// while every row and head of the item takes its share.
+// folds each lane of dimensions for all sixteen keys at once), and folds the values in blocks that stay in
+// cache while every row and head of the item takes its share.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -42,7 +42,10 @@ constexpr int kTileHeads = 6;
 // 0–13% faster than 3 × 8 at 16 rows). Each output is the same chain of fused multiply-adds in either tile.
 constexpr int kRowValueHeads = 3, kRowValueChunks = 8;
 constexpr int kBlockValueHeads = 6, kBlockValueChunks = 4;
-constexpr int64_t kValueBlock = 32;   // values per visit of the accumulators (16 KiB at D = 128: stays in L1)
+// Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1); items of several rows take
+// 64, half the accumulators' loads and stores between blocks (attention alone, 28 layers, context 1024, 8 / 16 rows:
+// 0.94–0.96 of the time with 32; one row: 1.05–1.08 with 64)
+constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 64;
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
 // of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one
@@ -341,7 +344,7 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   float* kt = partial + kTileHeads * kKeyBlock * kLanes;
   float* scores = kt + CHUNKS * kLanes * kLanes;
   float* inverses = scores + count * group * stride;
-  const float* pointers[kValueBlock > kKeyBlock ? kValueBlock : kKeyBlock];
+  const float* pointers[std::max({kRowValueBlock, kBlockValueBlock, int64_t{kKeyBlock}})];
   // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
   const bool transposed = !MASKED && count >= kTransposedMinRows;
   // steps of the arithmetic per block: a transposed block's query tiles × 8, or per row and tile of heads, 4 key
@@ -351,7 +354,8 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   const int64_t partial_steps = count * ((group + kTileHeads - 1) / kTileHeads) * (kKeyBlock / kTileKeys) * ((d + kLanes - 1) / kLanes);
   const int64_t value_heads = count == 1 ? kRowValueHeads : kBlockValueHeads;
   const int64_t value_chunks = count == 1 ? K::kRowChunks : K::kBlockChunks;
-  const int64_t value_steps = count * ((group + value_heads - 1) / value_heads) * kValueBlock *
+  const int64_t value_block = count == 1 ? kRowValueBlock : kBlockValueBlock;
+  const int64_t value_steps = count * ((group + value_heads - 1) / value_heads) * value_block *
                               ((d + value_chunks * kLanes - 1) / (value_chunks * kLanes));
   Prefetcher ahead_keys(keys, d, std::min<int64_t>(rows.cached, kKeyBlock));
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
@@ -396,14 +400,14 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
   // values, a block at a time for every row and head (the first block's lines fetched at once)
   Prefetcher ahead_values(values, d, 0);
-  ahead_values.aim(std::min(rows.cached, kValueBlock), 1);
+  ahead_values.aim(std::min(rows.cached, value_block), 1);
   ahead_values.step();
-  for (int64_t j0 = 0; j0 < longest; j0 += kValueBlock) {
-    ahead_values.aim(std::min(rows.cached, j0 + 2 * kValueBlock), value_steps);
+  for (int64_t j0 = 0; j0 < longest; j0 += value_block) {
+    ahead_values.aim(std::min(rows.cached, j0 + 2 * value_block), value_steps);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t length = rows.length(r);
       if (j0 >= length) continue;
-      const int64_t block = std::min<int64_t>(kValueBlock, length - j0);
+      const int64_t block = std::min<int64_t>(value_block, length - j0);
       for (int64_t j = 0; j < block; ++j) pointers[j] = values + rows.position(r, j0 + j) * d;
       const float* sr = scores + (r - r0) * group * stride + j0;
       float* orow = out + (r * heads + kvh * group) * d;
