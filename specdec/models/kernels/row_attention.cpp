@@ -44,7 +44,7 @@ constexpr int kRowValueHeads = 3, kRowValueChunks = 8;
 constexpr int kBlockValueHeads = 6, kBlockValueChunks = 4;
 // Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1); items of several rows take
 // 64, half the accumulators' loads and stores between blocks (attention alone, 28 layers, context 1024, 8 / 16 rows:
-// 0.94–0.96 of the time with 32; one row: 1.05–1.08 with 64)
+// 0.93–0.96 of the time with 32, in three runs; one row: 0.81–1.08, no clear gain, so it keeps 32)
 constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 64;
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
