@@ -295,6 +295,12 @@ using PartialScores = void (*)(const float*, int64_t, const float* const*, float
 using TransposedScores = void (*)(const float* const*, const float*, float, float* const*, Prefetcher&);
 using FoldValues = void (*)(const float*, int64_t, const float* const*, int64_t, int64_t, bool, float*, Prefetcher&);
 
+// How an item folds its values: tiles of up to `heads` heads × `chunks` zmm, over blocks of `block` values
+struct ValueTiling {
+  int64_t heads, chunks, block;
+  const FoldValues* folds;  // [heads]: the tile of h + 1 heads
+};
+
 template <int CHUNKS, bool MASKED>
 struct Kernels {
   static constexpr PartialScores scores[kTileHeads] = {
@@ -310,6 +316,8 @@ struct Kernels {
   static constexpr FoldValues block_values[kBlockValueHeads] = {
       &fold_values<1, kBlockChunks, MASKED>, &fold_values<2, kBlockChunks, MASKED>, &fold_values<3, kBlockChunks, MASKED>,
       &fold_values<4, kBlockChunks, MASKED>, &fold_values<5, kBlockChunks, MASKED>, &fold_values<6, kBlockChunks, MASKED>};
+  static constexpr ValueTiling row_tiling{kRowValueHeads, kRowChunks, kRowValueBlock, row_values};
+  static constexpr ValueTiling block_tiling{kBlockValueHeads, kBlockChunks, kBlockValueBlock, block_values};
 };
 
 // The rows a work item attends for one KV head: row r sees the `cached` keys, then the new tokens at tail(r)
@@ -352,11 +360,9 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   const int64_t queries = count * group;
   const int64_t transposed_steps = (queries + kTransposedQueries - 1) / kTransposedQueries * 8;
   const int64_t partial_steps = count * ((group + kTileHeads - 1) / kTileHeads) * (kKeyBlock / kTileKeys) * ((d + kLanes - 1) / kLanes);
-  const int64_t value_heads = count == 1 ? kRowValueHeads : kBlockValueHeads;
-  const int64_t value_chunks = count == 1 ? K::kRowChunks : K::kBlockChunks;
-  const int64_t value_block = count == 1 ? kRowValueBlock : kBlockValueBlock;
-  const int64_t value_steps = count * ((group + value_heads - 1) / value_heads) * value_block *
-                              ((d + value_chunks * kLanes - 1) / (value_chunks * kLanes));
+  const ValueTiling& tiling = count == 1 ? K::row_tiling : K::block_tiling;
+  const int64_t value_steps = count * ((group + tiling.heads - 1) / tiling.heads) * tiling.block *
+                              ((d + tiling.chunks * kLanes - 1) / (tiling.chunks * kLanes));
   Prefetcher ahead_keys(keys, d, std::min<int64_t>(rows.cached, kKeyBlock));
   for (int64_t j0 = 0; j0 < longest; j0 += kKeyBlock) {
     const bool block_transposed = transposed && j0 + kKeyBlock <= rows.cached;
@@ -400,21 +406,20 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       inverses[(r - r0) * group + g] = softmax_numerators(scores + ((r - r0) * group + g) * stride, rows.length(r));
   // values, a block at a time for every row and head (the first block's lines fetched at once)
   Prefetcher ahead_values(values, d, 0);
-  ahead_values.aim(std::min(rows.cached, value_block), 1);
+  ahead_values.aim(std::min(rows.cached, tiling.block), 1);
   ahead_values.step();
-  for (int64_t j0 = 0; j0 < longest; j0 += value_block) {
-    ahead_values.aim(std::min(rows.cached, j0 + 2 * value_block), value_steps);
+  for (int64_t j0 = 0; j0 < longest; j0 += tiling.block) {
+    ahead_values.aim(std::min(rows.cached, j0 + 2 * tiling.block), value_steps);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t length = rows.length(r);
       if (j0 >= length) continue;
-      const int64_t block = std::min<int64_t>(value_block, length - j0);
+      const int64_t block = std::min<int64_t>(tiling.block, length - j0);
       for (int64_t j = 0; j < block; ++j) pointers[j] = values + rows.position(r, j0 + j) * d;
       const float* sr = scores + (r - r0) * group * stride + j0;
       float* orow = out + (r * heads + kvh * group) * d;
-      const FoldValues* tiles = count == 1 ? K::row_values : K::block_values;
-      for (int64_t h0 = 0; h0 < group; h0 += value_heads) {
-        const int tile = static_cast<int>(std::min<int64_t>(value_heads, group - h0));
-        tiles[tile - 1](sr + h0 * stride, stride, pointers, block, d, j0 == 0, orow + h0 * d, ahead_values);
+      for (int64_t h0 = 0; h0 < group; h0 += tiling.heads) {
+        const int tile = static_cast<int>(std::min<int64_t>(tiling.heads, group - h0));
+        tiling.folds[tile - 1](sr + h0 * stride, stride, pointers, block, d, j0 == 0, orow + h0 * d, ahead_values);
       }
     }
   }
