@@ -39,7 +39,7 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     torch.set_num_threads(spec.threads)
     from specdec import LLM
     from specdec.models.cost_curve import cost_curve_path, measure_cost_curve, save_cost_curve
-    from specdec.models.roofline import BandwidthProbe, Ceilings, ForwardWork, measure_ceilings
+    from specdec.models.roofline import CeilingMeter, Ceilings, ForwardWork
     from specdec.models.zoo import cache_dir
 
     llm = LLM(spec.model, quantization=spec.quantization, max_num_seqs=1)
@@ -47,18 +47,19 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     work = ForwardWork.of(model)
     # The machine drifts (read bandwidth by up to 2× within seconds): ceilings are measured before and after the
     # curve and the decode passes and after every round of the curve, and the read bandwidth is probed right after
-    # every timed forward. Two ratios follow: against each ceiling at its best over the run (what the machine has
-    # shown it can do), and each forward against the bandwidth probed beside it and its round's MAC rates (median
-    # over rounds), which a slow stretch does not inflate.
-    before = measure_ceilings()
+    # every timed forward, all by one meter that holds its buffers until the worker ends (freeing them would slow
+    # the next seconds' forwards). Two ratios follow: against each ceiling at its best over the run (what the
+    # machine has shown it can do), and each forward against the bandwidth probed beside it and its round's MAC
+    # rates (median over rounds), which a slow stretch does not inflate.
+    meter = CeilingMeter()
+    before = meter.measure()
     by_round: list[Ceilings] = []
-    probe, probed = BandwidthProbe(), {c: {k: [] for k in DEFAULT_KS} for c in DEFAULT_CONTEXTS}
-    curve = measure_cost_curve(model, after_round=lambda: by_round.append(measure_ceilings(repeats=3)),
-                               after_forward=lambda c, k: probed[c][k].append(probe()))
-    del probe
+    probed: dict[int, dict[int, list[float]]] = {c: {k: [] for k in DEFAULT_KS} for c in DEFAULT_CONTEXTS}
+    curve = measure_cost_curve(model, after_round=lambda: by_round.append(meter.measure(repeats=3)),
+                               after_forward=lambda c, k: probed[c][k].append(meter.read_bandwidth()))
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
     passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
-    after = measure_ceilings()
+    after = meter.measure()
     ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
     paired_ratio = {

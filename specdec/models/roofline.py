@@ -2,7 +2,7 @@
 
 roofline(k) = max(bytes read / read bandwidth, multiply-accumulates / MAC rate), with the bytes
 (weights in their stored format + the KV cache read by attention) and MACs counted from the
-model, and both ceilings measured here (`measure_ceilings`) rather than taken from a spec sheet.
+model, and both ceilings measured here (`CeilingMeter`) rather than taken from a spec sheet.
 """
 
 from __future__ import annotations
@@ -92,74 +92,63 @@ def _median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def _fp32_readers(row: torch.Tensor, repeats: int) -> dict[str, float]:
-    flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=torch.Generator().manual_seed(1))
-    packed = torch.ops.mkldnn._reorder_linear_weight(flat.view(-1, row.shape[1]))
-    gemv = lambda: torch.ops.mkldnn._linear_pointwise(row, packed, None, "none", [], "")  # noqa: E731
-    readers = {
-        "fp32 sum": BANDWIDTH_BUFFER_BYTES / _median_seconds(flat.sum, repeats),
-        "fp32 GEMV (oneDNN)": BANDWIDTH_BUFFER_BYTES / _median_seconds(gemv, repeats),
-    }
-    del packed
-    if float32_linear() is Avx512Linear:
-        big = Avx512Linear(flat.view(-1, row.shape[1]))
-        readers["fp32 GEMV (Avx512Linear)"] = BANDWIDTH_BUFFER_BYTES / _median_seconds(lambda: big(row), repeats)
-    return readers
+class CeilingMeter:
+    """Measures the machine's ceilings from buffers allocated once and held for the meter's life (~2.6 GiB).
 
-
-class BandwidthProbe:
-    """The read bandwidth at this moment: one timed pass over 512 MiB by each of a sum and specdec's fp32 and int8
-    matrix-vector kernels (where they run), the fastest counting; ~50 ms, cheap enough to take beside every timed
-    forward. Holds its buffers (~1.5 GiB) for its life."""
+    Holding them matters on this VM: its kernel hands freed pages back to the host (free page reporting), and
+    forwards timed in the few seconds after ~3 GiB is freed ran up to 1.4–2× slower (measured), so a measurement
+    that allocated and freed its buffers would slow the very forwards it is measured beside.
+    Read bandwidth = the fastest of several readers streaming a buffer far larger than the caches (a reduction,
+    and the fp32 and int8 matrix-vector kernels the model itself may use); MAC rates = large GEMMs through the
+    same kernels."""
 
     def __init__(self) -> None:
-        g = torch.Generator().manual_seed(2)
-        row = torch.randn(1, 4096, generator=g)
+        g = torch.Generator().manual_seed(0)
+        self._row = torch.randn(1, 4096, generator=g)
         flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=g)
-        self._readers: list[Callable[[], object]] = [flat.sum]
+        matrix = flat.view(-1, self._row.shape[1])
+        onednn = torch.ops.mkldnn._reorder_linear_weight(matrix)
+        # name -> one pass over a 512 MiB buffer; `fast` ones (specdec's kernels and the sum) also probe
+        self._readers: dict[str, Callable[[], object]] = {
+            "fp32 sum": flat.sum,
+            "fp32 GEMV (oneDNN)": lambda: torch.ops.mkldnn._linear_pointwise(self._row, onednn, None, "none", [], ""),
+        }
+        self._fast = ["fp32 sum"]
         if float32_linear() is Avx512Linear:
-            self._readers.append(functools.partial(Avx512Linear(flat.view(-1, row.shape[1])), row))
+            self._readers["fp32 GEMV (Avx512Linear)"] = functools.partial(Avx512Linear(matrix), self._row)
+            self._fast.append("fp32 GEMV (Avx512Linear)")
+        square = torch.randn(4096, 4096, generator=g)
+        self._rows = torch.randn(512, 4096, generator=g)
+        square_packed = torch.ops.mkldnn._reorder_linear_weight(square)
+        self._fp32_gemms = [
+            lambda: torch.ops.mkldnn._linear_pointwise(self._rows, square_packed, None, "none", [], ""),
+            lambda: square[:2048, :2048] @ square[2048:, 2048:],
+        ]
+        self._int8_gemms: list[Callable[[], object]] = []
         if can_run_int8("cpu"):
+            # oneDNN's kernel and specdec's (where it runs): each ceiling at the faster of the two
             weights = torch.randint(-127, 128, (BANDWIDTH_BUFFER_BYTES // 4096, 4096), generator=g, dtype=torch.int8)
-            int8 = int8_linear().from_quantized(weights, torch.full((weights.shape[0],), 1e-3))
-            self._readers.append(functools.partial(int8, row))
+            scales = torch.full((weights.shape[0],), 1e-3)
+            for kernel in {OneDnnInt8Linear, int8_linear()}:
+                self._readers[f"int8 GEMV ({kernel.__name__})"] = functools.partial(kernel.from_quantized(weights, scales), self._row)
+                self._int8_gemms.append(functools.partial(kernel(square), self._rows))
+            self._fast.append(f"int8 GEMV ({int8_linear().__name__})")
 
-    def __call__(self) -> float:
-        """bytes/s"""
+    def read_bandwidth(self) -> float:
+        """bytes/s at this moment: one timed pass by each of the sum and specdec's matrix-vector kernels, the fastest
+        counting; ~50 ms, cheap enough to take beside every timed forward."""
         best = 0.0
-        for read in self._readers:
+        for name in self._fast:
             start = time.perf_counter()
-            read()
+            self._readers[name]()
             best = max(best, BANDWIDTH_BUFFER_BYTES / (time.perf_counter() - start))
         return best
 
-
-def measure_ceilings(repeats: int = 5) -> Ceilings:
-    """Read bandwidth = the fastest of several readers streaming a buffer far larger than the
-    caches (a reduction, and the fp32 and int8 matrix-vector kernels the model itself may use);
-    MAC rates = large GEMMs through the same kernels. Takes ~5 s here."""
-    g = torch.Generator().manual_seed(0)
-    readers: dict[str, float] = {}
-    row = torch.randn(1, 4096, generator=g)
-    readers.update(_fp32_readers(row, repeats))  # its 1 GiB of buffers are freed on return
-    square = torch.randn(4096, 4096, generator=g)
-    rows = torch.randn(512, 4096, generator=g)
-    square_packed = torch.ops.mkldnn._reorder_linear_weight(square)
-    fp32_rate = max(
-        512 * 4096 * 4096 / _median_seconds(
-            lambda: torch.ops.mkldnn._linear_pointwise(rows, square_packed, None, "none", [], ""), repeats
-        ),
-        2048**3 / _median_seconds(lambda: square[:2048, :2048] @ square[2048:, 2048:], repeats),
-    )
-    int8_rate = None
-    if can_run_int8("cpu"):
-        # oneDNN's kernel and specdec's (where it runs): each ceiling at the faster of the two
-        kernels = {OneDnnInt8Linear, int8_linear()}
-        weights = torch.randint(-127, 128, (BANDWIDTH_BUFFER_BYTES // 4096, 4096), generator=g, dtype=torch.int8)
-        for kernel in kernels:
-            big = kernel.from_quantized(weights, torch.full((weights.shape[0],), 1e-3))
-            readers[f"int8 GEMV ({kernel.__name__})"] = BANDWIDTH_BUFFER_BYTES / _median_seconds(lambda: big(row), repeats)
-            del big
-        del weights
-        int8_rate = max(512 * 4096 * 4096 / _median_seconds(functools.partial(kernel(square), rows), repeats) for kernel in kernels)
-    return Ceilings(max(readers.values()), fp32_rate, int8_rate, readers)
+    def measure(self, repeats: int = 5) -> Ceilings:
+        """Every reader's and GEMM's median over `repeats` timed calls; takes ~5 s here."""
+        readers = {name: BANDWIDTH_BUFFER_BYTES / _median_seconds(read, repeats) for name, read in self._readers.items()}
+        macs = 512 * 4096 * 4096
+        fp32_rate = max(macs / _median_seconds(self._fp32_gemms[0], repeats),
+                        2048**3 / _median_seconds(self._fp32_gemms[1], repeats))
+        int8_rate = max((macs / _median_seconds(gemm, repeats) for gemm in self._int8_gemms), default=None)
+        return Ceilings(max(readers.values()), fp32_rate, int8_rate, readers)
