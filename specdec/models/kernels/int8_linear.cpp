@@ -34,16 +34,13 @@ constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int64_t kOneTileMaxRows = kMaxAccumulators / 2;  // over 32 channels; more rows: tiles of ≤ 6
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
-// One-row tiles (plain decoding) read memory fastest and wait on it most: they also prefetch this many steps further
-// ahead into L2 (a model's products +6–10% on 4 KiB pages, in fast and slow stretches alike; on 2 MiB pages the
-// hardware prefetcher alone measured 0.94–1.02 of their time, no gain)
-constexpr int64_t kFarPrefetchSteps = 24;
-constexpr int kFarPrefetchRows = 1;
-// Decode and verification calls of two to five rows (one pass) leave their stream to the hardware prefetcher. On 2
+// Decode and verification calls of one to five rows (one pass) leave their stream to the hardware prefetcher. On 2
 // MiB pages that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches (the
 // 1.5B's products, interleaved A/B in shuffled order, fast memory; 4 and 5 rows already did so on 4 KiB pages:
-// 6–11% faster); 6 rows took 1.03–1.06 without them, so they keep them
-constexpr int kHardwarePrefetchMinRows = 2, kHardwarePrefetchMaxRows = 5;
+// 6–11% faster); one row, on this Zen 4 host: 0.90 of the time over the 1.5B's products (slow memory), 0.82–0.84
+// over 256 MiB products (fast memory, where it then reads about as fast as a sum); 6 rows took 1.03–1.06 without
+// them, so they keep them
+constexpr int kHardwarePrefetchMaxRows = 5;
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -124,8 +121,7 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
-  constexpr bool kHardwarePrefetchOnly =
-      kStepMajor && NR == kPanelZmm && MR >= kHardwarePrefetchMinRows && MR <= kHardwarePrefetchMaxRows;
+  constexpr bool kHardwarePrefetchOnly = kStepMajor && NR == kPanelZmm && MR <= kHardwarePrefetchMaxRows;
   __m512i acc[MR][NR];
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
@@ -138,10 +134,6 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
       if (NR == kPanelZmm || prefetch.own_all_lines) {
 #pragma GCC unroll 4
         for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
-        if (MR <= kFarPrefetchRows) {
-#pragma GCC unroll 4
-          for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + kFarPrefetchSteps * kStepBytes + j * 64, _MM_HINT_T1);
-        }
       } else {
 #pragma GCC unroll 4
         for (int j = 0; j < NR; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
