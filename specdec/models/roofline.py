@@ -96,7 +96,7 @@ class CeilingMeter:
     """Measures the machine's ceilings from buffers allocated once and held for the meter's life (~2.6 GiB).
 
     Holding them matters on this VM: its kernel hands freed pages back to the host (free page reporting), and
-    forwards timed in the few seconds after ~3 GiB is freed ran up to 1.4–2× slower (measured), so a measurement
+    forwards timed in the seconds after 1.5–3 GiB is freed ran 1.4–3.7× slower (measured), so a measurement
     that allocated and freed its buffers would slow the very forwards it is measured beside.
     Read bandwidth = the fastest of several readers streaming a buffer far larger than the caches (a reduction,
     and the fp32 and int8 matrix-vector kernels the model itself may use); MAC rates = large GEMMs through the
