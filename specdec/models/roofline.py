@@ -108,47 +108,47 @@ class CeilingMeter:
         flat = torch.randn(BANDWIDTH_BUFFER_BYTES // 4, generator=g)
         matrix = flat.view(-1, self._row.shape[1])
         onednn = torch.ops.mkldnn._reorder_linear_weight(matrix)
-        # name -> one pass over a 512 MiB buffer; `fast` ones (specdec's kernels and the sum) also probe
+        # name -> one pass over a 512 MiB buffer; the sum and specdec's kernels also make the quick probe
         self._readers: dict[str, Callable[[], object]] = {
             "fp32 sum": flat.sum,
             "fp32 GEMV (oneDNN)": lambda: torch.ops.mkldnn._linear_pointwise(self._row, onednn, None, "none", [], ""),
         }
-        self._fast = ["fp32 sum"]
+        self._probes = [flat.sum]
         if float32_linear() is Avx512Linear:
             self._readers["fp32 GEMV (Avx512Linear)"] = functools.partial(Avx512Linear(matrix), self._row)
-            self._fast.append("fp32 GEMV (Avx512Linear)")
+            self._probes.append(self._readers["fp32 GEMV (Avx512Linear)"])
         square = torch.randn(4096, 4096, generator=g)
         self._rows = torch.randn(512, 4096, generator=g)
         square_packed = torch.ops.mkldnn._reorder_linear_weight(square)
-        self._fp32_gemms = [
-            lambda: torch.ops.mkldnn._linear_pointwise(self._rows, square_packed, None, "none", [], ""),
-            lambda: square[:2048, :2048] @ square[2048:, 2048:],
+        # (MACs, one GEMM) of each kernel; a ceiling is the fastest of its format's
+        macs = 512 * 4096 * 4096
+        self._fp32_gemms: list[tuple[int, Callable[[], object]]] = [
+            (macs, lambda: torch.ops.mkldnn._linear_pointwise(self._rows, square_packed, None, "none", [], "")),
+            (2048**3, lambda: square[:2048, :2048] @ square[2048:, 2048:]),
         ]
-        self._int8_gemms: list[Callable[[], object]] = []
+        self._int8_gemms: list[tuple[int, Callable[[], object]]] = []
         if can_run_int8("cpu"):
             # oneDNN's kernel and specdec's (where it runs): each ceiling at the faster of the two
             weights = torch.randint(-127, 128, (BANDWIDTH_BUFFER_BYTES // 4096, 4096), generator=g, dtype=torch.int8)
             scales = torch.full((weights.shape[0],), 1e-3)
             for kernel in {OneDnnInt8Linear, int8_linear()}:
                 self._readers[f"int8 GEMV ({kernel.__name__})"] = functools.partial(kernel.from_quantized(weights, scales), self._row)
-                self._int8_gemms.append(functools.partial(kernel(square), self._rows))
-            self._fast.append(f"int8 GEMV ({int8_linear().__name__})")
+                self._int8_gemms.append((macs, functools.partial(kernel(square), self._rows)))
+            self._probes.append(self._readers[f"int8 GEMV ({int8_linear().__name__})"])
 
     def read_bandwidth(self) -> float:
         """bytes/s at this moment: one timed pass by each of the sum and specdec's matrix-vector kernels, the fastest
         counting; ~50 ms, cheap enough to take beside every timed forward."""
         best = 0.0
-        for name in self._fast:
+        for read in self._probes:
             start = time.perf_counter()
-            self._readers[name]()
+            read()
             best = max(best, BANDWIDTH_BUFFER_BYTES / (time.perf_counter() - start))
         return best
 
     def measure(self, repeats: int = 5) -> Ceilings:
         """Every reader's and GEMM's median over `repeats` timed calls; takes ~5 s here."""
         readers = {name: BANDWIDTH_BUFFER_BYTES / _median_seconds(read, repeats) for name, read in self._readers.items()}
-        macs = 512 * 4096 * 4096
-        fp32_rate = max(macs / _median_seconds(self._fp32_gemms[0], repeats),
-                        2048**3 / _median_seconds(self._fp32_gemms[1], repeats))
-        int8_rate = max((macs / _median_seconds(gemm, repeats) for gemm in self._int8_gemms), default=None)
+        fp32_rate = max(macs / _median_seconds(gemm, repeats) for macs, gemm in self._fp32_gemms)
+        int8_rate = max((macs / _median_seconds(gemm, repeats) for macs, gemm in self._int8_gemms), default=None)
         return Ceilings(max(readers.values()), fp32_rate, int8_rate, readers)
