@@ -8,7 +8,8 @@ more than one, where the stock kernel costs 2–3× more for 2–3 rows than for
 `Int8Linear` stores int8 weights (one scale per output channel) and quantizes activations per
 row, so sums are exact int32 and a row's result never depends on the other rows of the forward
 (batch invariance, tested bitwise); specdec's own AVX-512 VNNI kernel computes it where the CPU
-has one, oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
+has one, its AVX2 kernel on other x86 CPUs (where oneDNN's int16 intermediate sums saturate),
+oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
 `linear_kernel` chooses once, when the model loads; nothing is decided per call.
 """
 
@@ -81,9 +82,9 @@ class Int8Linear:
     """int8 weights with per-output-channel scales; activations quantized to int8 per row.
 
     y[i, n] = s_x[i] · s_w[n] · Σ_k round(x[i, k] / s_x[i]) · W8[n, k] + b[n], the sum exact in int32, so a
-    row's result never depends on the other rows. Symmetric scales: s = max|·| / 127. Two kernels compute
-    it, bitwise alike (tested): `VnniInt8Linear` where it runs, else `OneDnnInt8Linear`; `int8_linear`
-    picks one per process.
+    row's result never depends on the other rows. Symmetric scales: s = max|·| / 127. Three kernels compute
+    it, bitwise alike (tested against the exact sums): `VnniInt8Linear` or `Avx2Int8Linear` where one runs, else
+    `OneDnnInt8Linear`; `int8_linear` picks one per process.
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
@@ -113,7 +114,9 @@ class Int8Linear:
 
 
 class OneDnnInt8Linear(Int8Linear):
-    """oneDNN's VNNI/AVX2 int8 GEMM (weights packed once); the activations quantized by PyTorch ops."""
+    """oneDNN's int8 GEMM (weights packed once); the activations quantized by PyTorch ops. Exact only with VNNI:
+    without it oneDNN sums u8 · s8 pairs in int16 with saturation (measured up to 0.6 off, 2.8% relative error, on
+    a Zen 3 host) and runs 3–4× slower than `Avx2Int8Linear`, so it is the fallback where no specdec kernel builds."""
 
     def _pack(self, quantized: torch.Tensor) -> None:
         self.packed = torch.ops.onednn.qlinear_prepack(quantized, None)
@@ -146,9 +149,27 @@ class VnniInt8Linear(Int8Linear):
         return y.view(*x.shape[:-1], self.out_features)
 
 
+class Avx2Int8Linear(Int8Linear):
+    """specdec's AVX2 kernel (kernels/int8_linear_avx2.cpp) for CPUs without VNNI: one call quantizes the rows, streams
+    the weights once for up to 6 rows (more share each panel from L1) and applies the scales and bias, bitwise as the
+    other int8 kernels."""
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        self.kernel = kernels.int8_avx2()
+        self.packed = self.kernel.pack(quantized)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        rows = x.reshape(-1, self.in_features)
+        y = self.kernel.linear(rows, self.packed, self.scale, self.bias, self.out_features)
+        return y.view(*x.shape[:-1], self.out_features)
+
+
 def int8_linear() -> type[Int8Linear]:
-    """The int8 kernel for this process: specdec's VNNI kernel where the CPU has AVX-512 VNNI and it builds."""
-    return VnniInt8Linear if kernels.int8_vnni() is not None else OneDnnInt8Linear
+    """The int8 kernel for this process: specdec's VNNI kernel where the CPU has AVX-512 VNNI, else its AVX2 kernel,
+    where they build; oneDNN's elsewhere."""
+    if kernels.int8_vnni() is not None:
+        return VnniInt8Linear
+    return Avx2Int8Linear if kernels.int8_avx2() is not None else OneDnnInt8Linear
 
 
 def float32_linear() -> type[Avx512Linear] | type[PrepackedLinear]:

@@ -10,6 +10,7 @@ from pathlib import Path
 from types import ModuleType
 
 INT8_VNNI_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_vnni")
+INT8_AVX2_FLAGS = ("avx2",)
 ROW_ATTENTION_FLAGS = ("avx512f",)
 FP32_FLAGS = ("avx512f",)
 NORM_SWIGLU_FLAGS = ("avx512f",)
@@ -46,6 +47,13 @@ def _build(name: str, source: str, flags: tuple[str, ...], extra_cflags: tuple[s
 def int8_vnni() -> ModuleType | None:
     """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None."""
     return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
+
+
+@functools.cache
+def int8_avx2() -> ModuleType | None:
+    """The AVX2 int8 linear kernel (int8_linear_avx2.cpp) for CPUs without VNNI, or None. Built without contracting
+    its epilogue into fused multiply-adds: it must round as the other int8 kernels do."""
+    return _build("specdec_int8_avx2", "int8_linear_avx2.cpp", INT8_AVX2_FLAGS, ("-ffp-contract=off",))
 
 
 @functools.cache
