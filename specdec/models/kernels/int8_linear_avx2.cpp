@@ -20,6 +20,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -129,11 +130,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   TORCH_CHECK(panels == (n + kPanel - 1) / kPanel, "int8 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  std::vector<int16_t> xq(m * kp);
+  std::unique_ptr<int16_t[]> xq(new int16_t[m * kp]);  // not zeroed: quantize_row writes every element
   std::vector<float> row_scale(m);
   const float* xs = x.data_ptr<float>();
   at::parallel_for(0, m, 32, [&](int64_t begin, int64_t end) {  // split for prefill only
-    for (int64_t r = begin; r < end; ++r) quantize_row(xs + r * k, k, kp, xq.data() + r * kp, row_scale.data() + r);
+    for (int64_t r = begin; r < end; ++r) quantize_row(xs + r * k, k, kp, xq.get() + r * kp, row_scale.data() + r);
   });
   const int8_t* p = packed.data_ptr<int8_t>();
   const float* ws = weight_scale.data_ptr<float>();
@@ -142,21 +143,21 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   const int64_t row_tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
   const int64_t chunk = row_tiles == 1 ? steps : kChunkSteps;
   at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int32_t> acc(m * kPanel);
+    std::unique_ptr<int32_t[]> acc(new int32_t[m * kPanel]);  // not zeroed: every tile's first chunk starts from zero
     for (int64_t panel = begin; panel < end; ++panel) {
       const int8_t* weights = p + panel * steps * kStepBytes;
       for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
         const int64_t here = std::min(chunk, steps - s0);
         for (int64_t t = 0, m0 = 0; t < row_tiles; ++t) {
           const int64_t mr = (m - m0 + row_tiles - t - 1) / (row_tiles - t);  // near-equal tiles
-          kTiles[mr - 1](xq.data() + m0 * kp + 2 * s0, kp, here, weights + s0 * kStepBytes, s0 > 0, acc.data() + m0 * kPanel);
+          kTiles[mr - 1](xq.get() + m0 * kp + 2 * s0, kp, here, weights + s0 * kStepBytes, s0 > 0, acc.get() + m0 * kPanel);
           m0 += mr;
         }
       }
       // the same float operations in the same order as int8_linear.cpp and oneDNN: sum · s_w · s_x + b
       const int64_t col = panel * kPanel, width = std::min(kPanel, n - col);
       for (int64_t r = 0; r < m; ++r) {
-        const int32_t* sums = acc.data() + r * kPanel;
+        const int32_t* sums = acc.get() + r * kPanel;
         float* dst = out + r * n + col;
         const __m256 rs = _mm256_set1_ps(row_scale[r]);
         int64_t c = 0;
