@@ -134,10 +134,10 @@ class OneDnnInt8Linear(Int8Linear):
 
 class VnniInt8Linear(Int8Linear):
     """specdec's AVX-512 VNNI kernel (kernels/int8_linear.cpp): one call quantizes the rows, streams the weights
-    once for all of them (up to 12 rows in one tile, more in tiles of ≤ 6 sharing each panel from L2, the memory
-    stream overlapping the arithmetic) and applies the scales and bias. For the 1 to 16 rows of decoding and
-    verification it is 1.1–1.3× oneDNN's kernel, and up to 6–8 rows it costs what reading the weights costs
-    (BENCHMARKS.md)."""
+    once for all of them (up to 6 rows in one tile; more in tiles of ≤ 6 that share each panel in L1-sized chunks,
+    the memory stream overlapping the arithmetic) and applies the scales and bias. For the 1 to 16 rows of decoding
+    and verification it is 1.1–1.3× oneDNN's kernel; up to 12 rows cost within ~1.2× of one row, which runs at about
+    what reading the weights costs (BENCHMARKS.md)."""
 
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_vnni()

@@ -45,8 +45,9 @@ def _build(name: str, source: str, flags: tuple[str, ...], extra_cflags: tuple[s
 
 @functools.cache
 def int8_vnni() -> ModuleType | None:
-    """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None."""
-    return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS)
+    """The AVX-512 VNNI int8 linear kernel (int8_linear.cpp), or None. Built without contracting its epilogue into
+    fused multiply-adds: it must round as the other int8 kernels do."""
+    return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS, ("-ffp-contract=off",))
 
 
 @functools.cache

@@ -5,12 +5,14 @@
 // Weights are packed once into panels of 64 output channels, k-step-major: [N / 64][K / 4][64][4] (four zmm of
 // vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h); activations are shifted to u8
 // (+128) for vpdpbusd, and 128 · Σ_k W[n, k] is subtracted back.
-// Up to 12 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels, ≤ 12 × 32): one or two passes over a
-// panel. More rows take tiles of ≤ 6 rows × 64 channels, one pass each (16–24 rows: 0.87–0.93 of the time of one
-// tile of ≤ 24 rows × 16 channels in four passes, the 1.5B's products; 13–15 rows within noise). The first pass
-// streams the panel from memory; every pass also prefetches its share of the thread's next panel into L2, so the
-// stream overlaps the arithmetic of all passes (without that, 8 rows cost ~1.5× 6 rows: the second pass computed
-// while memory idled).
+// Up to 6 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels) that streams each panel once. More rows
+// take near-equal tiles of ≤ 6 rows that share each panel in chunks of 64 k-steps (16 KiB, held in L1): the first
+// tile streams a chunk from memory, the others read it from L1, their int32 sums waiting in a buffer between chunks
+// (exact: integer sums in any order are the same), and every tile prefetches its share of the next chunk into L2, so
+// the stream overlaps the arithmetic of all tiles. Against tiles that each passed over a whole panel held in L2 (and
+// one tile of ≤ 12 rows × 32 channels in two passes for 7–12 rows): 0.86–0.90 of the time at 7–12 rows, 0.72–0.90 at
+// 13–24, 0.94 at 64 (Zen 5 host, the 1.5B's products, shuffled A/B, bitwise equal). Chunks of 32 k-steps took
+// 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,7 +34,8 @@ constexpr int64_t kPanelZmm = 4;   // zmm of channels per packed panel: 64 chann
 constexpr int64_t kBlock = kLanes * kPanelZmm;
 constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
-constexpr int64_t kOneTileMaxRows = kMaxAccumulators / 2;  // over 32 channels; more rows: tiles of ≤ 6
+constexpr int kTileRows = kMaxAccumulators / kPanelZmm;
+constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several tiles share from L1
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
 // Decode and verification calls of one to five rows (one pass) leave their stream to the hardware prefetcher. On 2
 // MiB pages that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches (the
@@ -105,70 +108,84 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
   });
 }
 
-// What a pass over a panel prefetches at each k-step s: the lines it reads of its own step s + kPrefetchSteps into
-// L1 (all four in the first pass, which streams the panel from memory), and lines [next_first, next_end) of the
-// next panel's step s into L2.
+// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: null where the steps are in
+// L1 already), and lines [next_first, next_end) of step s of what comes next (null: nothing) into L2.
 struct Prefetch {
   const char* own;
-  bool own_all_lines;
   const char* next;
   int next_first, next_end;
 };
 
-// acc [MR][NR·16] = Σ over k-steps of rows m0 … m0 + MR − 1 times channels j0·16 … (j0 + NR)·16 − 1 of a panel
-template <int MR, int NR, bool kStepMajor>
+// acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
+// already in acc (kResume) or from zero
+template <int MR, bool kStepMajor, bool kResume>
 void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
-  constexpr bool kHardwarePrefetchOnly = kStepMajor && NR == kPanelZmm && MR <= kHardwarePrefetchMaxRows;
-  __m512i acc[MR][NR];
+  constexpr bool kHardwarePrefetchOnly = kStepMajor && MR <= kHardwarePrefetchMaxRows;
+  __m512i acc[MR][kPanelZmm];
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_setzero_si512();
+    for (int j = 0; j < kPanelZmm; ++j)
+      acc[m][j] = kResume ? _mm512_load_si512(acc_out + (m * kPanelZmm + j) * kLanes) : _mm512_setzero_si512();
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* step = panel + s * kStepBytes;
-    const char* own = prefetch.own + s * kStepBytes;
     if constexpr (!kHardwarePrefetchOnly) {
-      if (NR == kPanelZmm || prefetch.own_all_lines) {
+      if (prefetch.own) {
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
-      } else {
-#pragma GCC unroll 4
-        for (int j = 0; j < NR; ++j) _mm_prefetch(own + j * 64, _MM_HINT_T0);
+        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
       }
     }
     for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
       _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
-    __m512i w[NR];
+    __m512i w[kPanelZmm];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_si512(step + j * 64);
+    for (int j = 0; j < kPanelZmm; ++j) w[j] = _mm512_loadu_si512(step + j * 64);
     const uint8_t* a_step = xq + s * step_stride;
 #pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) {
       const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride)));
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], a, w[j]);
+      for (int j = 0; j < kPanelZmm; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], a, w[j]);
     }
   }
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) _mm512_storeu_si512(acc_out + (m * NR + j) * kLanes, acc[m][j]);
+    for (int j = 0; j < kPanelZmm; ++j) _mm512_store_si512(acc_out + (m * kPanelZmm + j) * kLanes, acc[m][j]);
 }
 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
 
-template <int NR, bool kStepMajor, int... MR>
+template <bool kStepMajor, bool kResume, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, NR, kStepMajor>...};
+  return {&micro_tile<MR + 1, kStepMajor, kResume>...};
 }
-// all rows in one tile, k-step-major: 1 … 12 / 6 rows over 2 / 4 zmm of channels; more rows, row-major: tiles of
-// 1 … 6 over 4
-const auto kTiles2 = tiles_of<2, true>(std::make_integer_sequence<int, kMaxAccumulators / 2>{});
-const auto kTiles4 = tiles_of<4, true>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
-const auto kRowMajorTiles4 = tiles_of<4, false>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
+// tiles of 1 … 6 rows: all rows in one tile, k-step-major; several tiles, row-major, over a chunk's first k-step or
+// resuming their sums
+const auto kOneTile = tiles_of<true, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kChunkTiles = tiles_of<false, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kResumedChunkTiles = tiles_of<false, true>(std::make_integer_sequence<int, kTileRows>{});
+
+// y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64]
+void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* colsum,
+                const float* weight_scale, const float* row_scale, const float* bias, float* out, int64_t n) {
+  for (int r = 0; r < rows; ++r) {
+    const __m512 rs = _mm512_set1_ps(row_scale[m0 + r]);
+    float* dst = out + (m0 + r) * n + col0;
+    for (int64_t c = 0; c < cols; c += kLanes) {
+      const int64_t col = col0 + c;
+      const __mmask16 mask = cols - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (cols - c)) - 1);
+      const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(acc + r * kBlock + c),
+                                            _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, colsum + col), 7));
+      __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, weight_scale + col)), rs);
+      if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
+      _mm512_mask_storeu_ps(dst + c, mask, v);
+    }
+  }
+}
 
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum, torch::Tensor weight_scale,
@@ -179,55 +196,50 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   TORCH_CHECK(kp == (k + 3) / 4 * 4, "int8 linear: input has ", k, " features");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
+  const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
   std::unique_ptr<uint8_t[]> xq(new uint8_t[m * kp]);  // not zeroed: quantize_rows writes every byte
   std::vector<float> row_scale(m);
+  const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;
+  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data());
+  std::vector<int64_t> tile_first(row_tiles + 1, 0);  // near-equal tiles: tile t holds rows [first[t], first[t + 1])
+  for (int64_t t = 0; t < row_tiles; ++t)
+    tile_first[t + 1] = tile_first[t] + (m - tile_first[t] + row_tiles - t - 1) / (row_tiles - t);
   const int8_t* p = packed.data_ptr<int8_t>();
   const int32_t* cs = colsum.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  // channels per pass (zmm): as many as the rows leave accumulators for; past 12 rows, near-equal tiles of ≤ 6
-  const int nr = m > 6 && m <= kOneTileMaxRows ? 2 : 4;
-  const int64_t max_rows = kMaxAccumulators / nr;
-  const int64_t row_tiles = (m + max_rows - 1) / max_rows;
-  const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;
-  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data());
-  const TileFn* tiles = row_tiles > 1 ? kRowMajorTiles4.data() : nr == 4 ? kTiles4.data() : kTiles2.data();
   at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
-    alignas(64) int32_t acc[kMaxAccumulators * kLanes];
+    std::vector<__m512i> sums(row_tiles * kMaxAccumulators);  // each tile's [rows][64] int32 sums
+    int32_t* acc = reinterpret_cast<int32_t*>(sums.data());
     for (int64_t nb = begin; nb < end; ++nb) {
       const int8_t* panel = p + nb * steps * kStepBytes;
       const char* next_panel = nb + 1 < end ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
-      const int64_t passes_per_tile = ((cols + kLanes - 1) / kLanes + nr - 1) / nr;  // zmm of channels / nr
-      const int64_t passes = row_tiles * passes_per_tile;
-      for (int64_t t = 0, m0 = 0, pass = 0; t < row_tiles; ++t) {
-        const int mr = static_cast<int>((m - m0) / (row_tiles - t) + ((m - m0) % (row_tiles - t) != 0));
-        for (int64_t j0 = 0; j0 < kPanelZmm && j0 * kLanes < cols; j0 += nr, ++pass) {
-          // the passes share the next panel's lines out between them (one pass: memory is the bound, left alone)
-          const bool share = next_panel && passes > 1;
-          const int first = share ? static_cast<int>(pass * kPanelZmm / passes) : 0;
-          const int last = share ? static_cast<int>((pass + 1) * kPanelZmm / passes) : 0;
-          const Prefetch prefetch{reinterpret_cast<const char*>(panel + j0 * 64 + kPrefetchSteps * kStepBytes),
-                                  pass == 0, next_panel, first, last};
-          tiles[mr - 1](xq.get() + m0 * row_stride, row_stride, step_stride, steps, panel + j0 * 64, prefetch, acc);
-          const int64_t width = std::min<int64_t>(nr * kLanes, cols - j0 * kLanes);
-          for (int r = 0; r < mr; ++r) {
-            const __m512 rs = _mm512_set1_ps(row_scale[m0 + r]);
-            float* dst = out + (m0 + r) * n + nb * kBlock + j0 * kLanes;
-            for (int64_t c = 0; c < width; c += kLanes) {
-              const int64_t col = nb * kBlock + j0 * kLanes + c;
-              const __mmask16 mask = width - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (width - c)) - 1);
-              const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(acc + r * nr * kLanes + c),
-                                                    _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, cs + col), 7));
-              __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, ws + col)), rs);
-              if (b) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, b + col));
-              _mm512_mask_storeu_ps(dst + c, mask, v);
-            }
-          }
-        }
-        m0 += mr;
+      if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher up to 5 rows
+        const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
+        kOneTile[m - 1](xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
+        store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
+        continue;
       }
+      for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
+        const int64_t chunk = std::min(kChunkSteps, steps - s0);
+        const int8_t* chunk_weights = panel + s0 * kStepBytes;
+        const char* next = s0 + chunk < steps ? reinterpret_cast<const char*>(chunk_weights + chunk * kStepBytes) : next_panel;
+        for (int64_t t = 0; t < row_tiles; ++t) {
+          // the first tile streams the chunk into L1; the tiles share the next chunk's lines out between them
+          const Prefetch prefetch{t ? nullptr : reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes),
+                                  next, next ? static_cast<int>(t * kPanelZmm / row_tiles) : 0,
+                                  next ? static_cast<int>((t + 1) * kPanelZmm / row_tiles) : 0};
+          const int rows = static_cast<int>(tile_first[t + 1] - tile_first[t]);
+          (s0 ? kResumedChunkTiles : kChunkTiles)[rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride,
+                                                            row_stride, step_stride, chunk, chunk_weights, prefetch,
+                                                            acc + t * kMaxAccumulators * kLanes);
+        }
+      }
+      for (int64_t t = 0; t < row_tiles; ++t)
+        store_rows(acc + t * kMaxAccumulators * kLanes, static_cast<int>(tile_first[t + 1] - tile_first[t]),
+                   tile_first[t], nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
     }
   });
   return y;
