@@ -37,13 +37,13 @@ constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: wi
 constexpr int kTileRows = kMaxAccumulators / kPanelZmm;
 constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several tiles share from L1
 constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
-// Decode and verification calls of one to five rows (one pass) leave their stream to the hardware prefetcher. On 2
-// MiB pages that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches (the
-// 1.5B's products, interleaved A/B in shuffled order, fast memory; 4 and 5 rows already did so on 4 KiB pages:
-// 6–11% faster); one row, on this Zen 4 host: 0.90 of the time over the 1.5B's products (slow memory), 0.82–0.84
-// over 256 MiB products (fast memory, where it then reads about as fast as a sum); 6 rows took 1.03–1.06 without
-// them, so they keep them
-constexpr int kHardwarePrefetchMaxRows = 5;
+// Decode and verification calls of one to three rows leave their stream to the hardware prefetcher. On a Zen 4 host,
+// on 2 MiB pages, that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches
+// (the 1.5B's products, interleaved A/B in shuffled order, fast memory), and one row 0.90 of the time over the 1.5B's
+// products (slow memory), 0.82–0.84 over 256 MiB products (fast memory, where it then reads about as fast as a sum).
+// On a Zen 5 host 4 rows run 0.87–0.91 of the time with the near prefetch (the real 1.5B's forwards, shuffled A/B;
+// 0.89 over its products alone), 5 rows 0.96–1.01 and 1–3 rows 0.96–1.05: 4 rows and more keep it.
+constexpr int kHardwarePrefetchMaxRows = 3;
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -216,7 +216,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
       const int8_t* panel = p + nb * steps * kStepBytes;
       const char* next_panel = nb + 1 < end ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
-      if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher up to 5 rows
+      if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher up to 3 rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
         kOneTile[m - 1](xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
         store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
