@@ -58,8 +58,13 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     curve = measure_cost_curve(model, after_round=lambda: by_round.append(meter.measure(repeats=3)),
                                after_forward=lambda c, k: probed[c][k].append(meter.read_bandwidth()))
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
-    passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()))
+    request_probes: list[float] = []  # read bandwidth right after each decode request
+    passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()),
+                                              after_request=lambda: request_probes.append(meter.read_bandwidth()))
     after = meter.measure()
+    # each request's tok/s against the roofline at the bandwidth probed right after it
+    decode_shares = [tokens / seconds * work.roofline_ms(1, 128, dataclasses.replace(after, read_bytes_per_s=bandwidth)) / 1000
+                     for (tokens, seconds), bandwidth in zip(passes["requests"], request_probes)]
     ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
     paired_ratio = {
@@ -78,7 +83,8 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
         "ceilings": ceilings.to_json(), "ceilings_before": before.to_json(), "ceilings_after": after.to_json(),
         "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
         "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed,
-        "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "prefill": _prefill(llm, ids),
+        "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "decode_paired_shares": decode_shares,
+        "request_probes_bytes_per_s": request_probes, "prefill": _prefill(llm, ids),
         "nll": _mean_nll(model, ids),
     }
 
@@ -199,7 +205,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         f"From the same run as the cost curve. Plain greedy decoding, {args.num_prompts} prompts of the "
         f"`{args.dataset}` set, {args.max_tokens} new tokens each (transformers: 64), batch 1, median (min–max) of "
         f"{args.repeat} passes. Roofline tok/s = 1000 / roofline(k=1) at context 128, with the best ceilings of the "
-        "run; % of roofline against them · against the ceilings measured right after the decode passes. Prefill: a "
+        "run; % of roofline against them · against the ceilings measured right after the decode passes · median over "
+        "requests of each request's tok/s against the roofline at the read bandwidth probed right after it. Prefill: a "
         "1,016-token prompt (the held text) through the engine's 512-token chunks, TTFT median of 3. NLL: mean "
         "next-token negative log-likelihood (nats) over the held text (`bench/datasets/held_text.txt`, written for "
         f"the project); agreement: prompts whose {args.max_tokens} greedy tokens equal float32's exactly, and the "
@@ -225,7 +232,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
             agree = _agreement(r["tokens"], ref["tokens"])
         lines.append(
             f"| {model} | {_fmt(r)} | {med:.2f} ({low:.2f}–{high:.2f}) | {ratio} | {roof_tps:.1f} | "
-            f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% | "
+            f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% · "
+            f"{100 * statistics.median(r['decode_paired_shares']):.0f}% | "
             f"{r['prefill']['tok_per_s']:.0f} | "
             f"{statistics.median(r['prefill']['ttft_s']):.2f} | {r['nll']:.4f} | {nll_delta} | {agree} |"
         )

@@ -87,18 +87,28 @@ def run_worker(spec: WorkerSpec) -> dict[str, Any]:
     return {"spec": asdict(spec), "label": spec.label, **json.loads(done.stdout.strip().splitlines()[-1])}
 
 
-def _timed_passes(spec: WorkerSpec, generate: Callable[[list[int]], list[int]], prompts: list[list[int]]) -> dict:
+def _timed_passes(spec: WorkerSpec, generate: Callable[[list[int]], list[int]], prompts: list[list[int]],
+                  after_request: Callable[[], object] | None = None) -> dict:
+    """tok/s of each pass over the prompts, and each request's (tokens, seconds); `after_request` runs after each
+    request, outside the timing."""
     generate(prompts[0][:8])  # warm-up
     passes: list[float] = []
+    requests: list[tuple[int, float]] = []
     tokens: list[list[int]] = []
     for _ in range(spec.repeat):
-        start, count, tokens = time.perf_counter(), 0, []
+        elapsed, count, tokens = 0.0, 0, []
         for ids in prompts:
+            start = time.perf_counter()
             out = generate(ids)
+            seconds = time.perf_counter() - start
+            elapsed += seconds
+            requests.append((len(out), seconds))
             tokens.append(out)
             count += len(out)
-        passes.append(count / (time.perf_counter() - start))
-    return {"tok_per_s": passes, "tokens": tokens}
+            if after_request is not None:
+                after_request()
+        passes.append(count / elapsed)
+    return {"tok_per_s": passes, "tokens": tokens, "requests": requests}
 
 
 def _specdec(spec: WorkerSpec) -> dict[str, Any]:
@@ -130,9 +140,10 @@ def dataset_prompts(spec: WorkerSpec, tokenizer: Any) -> list[list[int]]:
 
 
 def specdec_passes(
-    llm: Any, spec: WorkerSpec, prompts: list[list[int]]
+    llm: Any, spec: WorkerSpec, prompts: list[list[int]], after_request: Callable[[], object] | None = None
 ) -> tuple[dict, list[float], list[float], list[dict], list[int]]:
-    """Timed greedy passes over the dataset; also TTFT, TPOT, speculation stats and target forwards per request."""
+    """Timed greedy passes over the dataset; also TTFT, TPOT, speculation stats and target forwards per request.
+    `after_request` runs after each request, outside the timing."""
     from specdec import SamplingParams
 
     params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=spec.ignore_eos)
@@ -146,7 +157,7 @@ def specdec_passes(
         forwards.append(out.metrics.num_target_forwards)
         return out.outputs[0].token_ids
 
-    return _timed_passes(spec, generate, prompts), ttft, tpot, stats, forwards
+    return _timed_passes(spec, generate, prompts, after_request), ttft, tpot, stats, forwards
 
 
 def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 4, 5, 7, 9)) -> dict:
