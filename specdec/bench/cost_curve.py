@@ -58,13 +58,17 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     curve = measure_cost_curve(model, after_round=lambda: by_round.append(meter.measure(repeats=3)),
                                after_forward=lambda c, k: probed[c][k].append(meter.read_bandwidth()))
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
-    request_probes: list[float] = []  # read bandwidth right after each decode request
+    # read bandwidth before the decode passes and right after each request: request i runs between probes i and i + 1
+    request_probes = [meter.read_bandwidth()]
     passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()),
                                               after_request=lambda: request_probes.append(meter.read_bandwidth()))
     after = meter.measure()
-    # each request's tok/s against the roofline at the bandwidth probed right after it
-    decode_shares = [tokens / seconds * work.roofline_ms(1, 128, dataclasses.replace(after, read_bytes_per_s=bandwidth)) / 1000
-                     for (tokens, seconds), bandwidth in zip(passes["requests"], request_probes)]
+    # each request's tok/s against the roofline at the faster of the probes around it (one probe is a 50 ms moment
+    # of a request's seconds: against the probe after it alone, requests ran at 73–184% of the roofline)
+    decode_shares = [
+        tokens / seconds * work.roofline_ms(1, 128, dataclasses.replace(after, read_bytes_per_s=max(before, behind))) / 1000
+        for (tokens, seconds), before, behind in zip(passes["requests"], request_probes, request_probes[1:])
+    ]
     ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
     paired_ratio = {
@@ -205,8 +209,9 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         f"From the same run as the cost curve. Plain greedy decoding, {args.num_prompts} prompts of the "
         f"`{args.dataset}` set, {args.max_tokens} new tokens each (transformers: 64), batch 1, median (min–max) of "
         f"{args.repeat} passes. Roofline tok/s = 1000 / roofline(k=1) at context 128, with the best ceilings of the "
-        "run; % of roofline against them · against the ceilings measured right after the decode passes · median over "
-        "requests of each request's tok/s against the roofline at the read bandwidth probed right after it. Prefill: a "
+        "run; % of roofline against them · against the ceilings measured right after the decode passes · each "
+        "request's tok/s against the roofline at the faster of the read bandwidths probed right before and right after "
+        "it, median (min–max) over requests. Prefill: a "
         "1,016-token prompt (the held text) through the engine's 512-token chunks, TTFT median of 3. NLL: mean "
         "next-token negative log-likelihood (nats) over the held text (`bench/datasets/held_text.txt`, written for "
         f"the project); agreement: prompts whose {args.max_tokens} greedy tokens equal float32's exactly, and the "
@@ -233,11 +238,15 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         lines.append(
             f"| {model} | {_fmt(r)} | {med:.2f} ({low:.2f}–{high:.2f}) | {ratio} | {roof_tps:.1f} | "
             f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% · "
-            f"{100 * statistics.median(r['decode_paired_shares']):.0f}% | "
+            f"{_percent_spread(r['decode_paired_shares'])} | "
             f"{r['prefill']['tok_per_s']:.0f} | "
             f"{statistics.median(r['prefill']['ttft_s']):.2f} | {r['nll']:.4f} | {nll_delta} | {agree} |"
         )
     return "\n".join(lines)
+
+
+def _percent_spread(shares: list[float]) -> str:
+    return f"{100 * statistics.median(shares):.0f}% ({100 * min(shares):.0f}–{100 * max(shares):.0f}%)"
 
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:
