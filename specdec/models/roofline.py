@@ -119,16 +119,18 @@ class CeilingMeter:
             self._readers["fp32 GEMV (Avx512Linear)"] = functools.partial(Avx512Linear(matrix), self._row)
             self._probes.append(self._readers["fp32 GEMV (Avx512Linear)"])
         square = torch.randn(4096, 4096, generator=g)
-        # GEMMs of 512 and of 64 rows: specdec's int8 kernel runs ~10% faster at 16–64 rows than at 512 (whose
-        # activations and sums outgrow L2; measured on a Zen 5 host, 812–846 against 733 G MAC/s), and a ceiling
-        # is what the machine has shown it can do
+        # GEMMs of 512 and of 64 rows: specdec's int8 kernel runs faster at 16–64 rows than at 512, whose activations
+        # and sums outgrow L2 (Zen 5 host, weights in cache: 771–836 G MAC/s against 500–758), and a ceiling is what
+        # the machine has shown it can do
         self._row_blocks = [torch.randn(rows, 4096, generator=g) for rows in GEMM_ROWS]
         square_packed = torch.ops.mkldnn._reorder_linear_weight(square)
         # (MACs, one GEMM) of each kernel and row count; a ceiling is the fastest of its format's
-        self._fp32_gemms: list[tuple[int, Callable[[], object]]] = [(2048**3, lambda: square[:2048, :2048] @ square[2048:, 2048:])]
+        self._fp32_gemms: list[tuple[int, Callable[[], object]]] = [
+            (2048**3, lambda: square[:2048, :2048] @ square[2048:, 2048:])
+        ]
         for rows in self._row_blocks:
-            self._fp32_gemms.append((rows.shape[0] * 4096 * 4096, functools.partial(
-                torch.ops.mkldnn._linear_pointwise, rows, square_packed, None, "none", [], "")))
+            onednn_gemm = functools.partial(torch.ops.mkldnn._linear_pointwise, rows, square_packed, None, "none", [], "")
+            self._fp32_gemms.append((rows.shape[0] * 4096 * 4096, onednn_gemm))
         self._int8_gemms: list[tuple[int, Callable[[], object]]] = []
         if can_run_int8("cpu"):
             # oneDNN's kernel and specdec's (where it runs): each ceiling at the faster of the two
