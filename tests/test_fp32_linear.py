@@ -15,9 +15,9 @@ from specdec.models.linear import Avx512Linear, PrepackedLinear
 
 pytestmark = pytest.mark.skipif(kernels.fp32_avx512() is None, reason="no AVX-512 on this CPU (or no compiler)")
 
-# rows 1–6, 7–8, 9–12 and 13–24 each take one tile of a different width; more rows take several tiles over chunks of
-# 512 inputs (the partial sums kept in the output between chunks)
-ROWS = st.sampled_from([1, 2, 5, 6, 7, 8, 9, 12, 13, 16, 24, 25, 31, 64])
+# rows 1–4 take one tile over four panels (fewer at the last channels), 5–24 one tile over one panel; more rows take
+# several tiles over chunks of 512 inputs (the partial sums kept in the output between chunks)
+ROWS = st.sampled_from([1, 2, 4, 5, 6, 8, 12, 16, 24, 25, 31, 64])
 
 
 @settings(max_examples=40, deadline=None)

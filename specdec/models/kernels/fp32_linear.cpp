@@ -6,9 +6,9 @@
 // a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR ≤ 24
 // accumulators in registers and reads NR streams; the rows' inputs come k-major (x transposed once), so a k-step's
 // broadcasts share a line.
-// Up to 24 rows take one tile (1–6 rows over 4 panels, 7–8 over 3, 9–12 over 2, 13–24 over 1): every weight is read
-// from memory once. More rows: tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the
-// partial sums wait in y between chunks: storing a float32 and loading it back is exact, so the chain is unchanged).
+// Up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1): every weight is read from memory once. More rows:
+// tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial sums wait in y between
+// chunks: storing a float32 and loading it back is exact, so the chain is unchanged).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -24,13 +24,15 @@ namespace {
 constexpr int64_t kLanes = 16;           // channels per panel (one zmm)
 constexpr int kMaxAccumulators = 24;     // + NR weights: within the 32 zmm
 constexpr int kMaxPanels = 4;
-// Calls of many rows prefetch each stream this many lines ahead into L1 and into L2: without it, 16 rows (where the
-// arithmetic takes as long as the stream) ran ~20% slower, the stream stalling behind the arithmetic. Calls of fewer
-// rows leave the stream to the hardware prefetcher: with the software prefetch, 1–8 rows ran 4–20% slower in fast
-// memory stretches and 2–6% slower in slow ones (the 1.5B's products, interleaved A/B).
+// Calls of five rows and more read one stream per tile and prefetch it this many lines ahead into L1 and into L2:
+// without it, 16 rows (where the arithmetic takes as long as the stream) ran ~20% slower, the stream stalling behind
+// the arithmetic. Calls of fewer rows read four streams and leave them to the hardware prefetcher. On a Zen 5 host,
+// in the real 1.5B's forwards (every product's kernel swapped, paired shuffled rounds), 5–12 rows took 0.69–1.00 of
+// the time over one prefetched stream that they took over 2–4 streams (5: 0.81–1.00, 8: 0.69–0.82, 12: 0.98–1.03);
+// 1–4 rows took 0.88–1.07, so they keep four streams.
 constexpr int64_t kPrefetchSteps = 24;
 constexpr int64_t kFarPrefetchSteps = 256;
-constexpr int kPrefetchRows = 9;
+constexpr int kOneStreamRows = 5;
 constexpr int64_t kChunkSteps = 512;     // k per chunk when several row tiles share the panels (4 × 32 KiB)
 
 // W [N, K] float → packed [ceil(N / 16)][K][16], the last panel's missing channels zero
@@ -97,13 +99,15 @@ template <int NR, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
   return {&micro_tile<MR + 1, NR>...};
 }
-// kTiles[NR − 1][MR − 1] for MR · NR ≤ 24 (the rest unused)
+// kTiles[NR − 1][MR − 1]: 1 … 24 rows over one panel; 1 … 6 rows over 2 … 4 (fewer than four: the last panels of a
+// call); the rest unused
+constexpr int kMaxRowsOverPanels = kMaxAccumulators / kMaxPanels;
 const std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels> kTiles = [] {
   std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels> tiles{};
   const auto t1 = tiles_of<1>(std::make_integer_sequence<int, kMaxAccumulators>{});
-  const auto t2 = tiles_of<2>(std::make_integer_sequence<int, kMaxAccumulators / 2>{});
-  const auto t3 = tiles_of<3>(std::make_integer_sequence<int, kMaxAccumulators / 3>{});
-  const auto t4 = tiles_of<4>(std::make_integer_sequence<int, kMaxAccumulators / 4>{});
+  const auto t2 = tiles_of<2>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t3 = tiles_of<3>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t4 = tiles_of<4>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   std::copy(t1.begin(), t1.end(), tiles[0].begin());
   std::copy(t2.begin(), t2.end(), tiles[1].begin());
   std::copy(t3.begin(), t3.end(), tiles[2].begin());
@@ -119,7 +123,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(panels == (n + kLanes - 1) / kLanes, "fp32 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int nr = m <= 6 ? 4 : m <= 8 ? 3 : m <= 12 ? 2 : m <= kMaxAccumulators ? 1 : 4;
+  const int nr = m >= kOneStreamRows && m <= kMaxAccumulators ? 1 : kMaxPanels;
   const int64_t max_rows = kMaxAccumulators / nr, row_tiles = (m + max_rows - 1) / max_rows;
   // k-major inputs, a k-step's inputs of a tile side by side: [K, M] for one tile, else [tiles][K][max_rows] (the
   // last tile padded with zero rows)
@@ -140,7 +144,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
         for (int64_t t = 0; t < row_tiles; ++t) {
           const int64_t m0 = t * max_rows, mr = std::min(max_rows, m - m0);
           kTiles[panels_here - 1][mr - 1](a + t * k * x_stride + k0 * x_stride, x_stride, steps,
-                                          p + (g * nr * k + k0) * kLanes, k * kLanes, t == 0 && m >= kPrefetchRows,
+                                          p + (g * nr * k + k0) * kLanes, k * kLanes, t == 0 && m >= kOneStreamRows,
                                           k0 > 0, out + m0 * n + col, n, width);
         }
       }
