@@ -36,7 +36,11 @@ constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int kTileRows = kMaxAccumulators / kPanelZmm;
 constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several tiles share from L1
-constexpr int64_t kPrefetchSteps = 8;  // ahead of the panel stream
+// Ahead of the panel stream, into L1 (6 KiB). In the real 1.5B's forwards on a Zen 5 host (every product's kernel
+// swapped, paired shuffled rounds, 20–24 rounds a run), 24 steps instead of 8 took 0.81–0.90 of the time at 4–6 rows
+// in two runs (16: 0.85–0.98 in three, 32: 0.80–0.88 in two, 48: 0.84–0.91 in one) and 0.99–1.00 at 8–12 rows,
+// whose chunks are in L2 already.
+constexpr int64_t kPrefetchSteps = 24;
 // Decode and verification calls of one to three rows leave their stream to the hardware prefetcher. On a Zen 4 host,
 // on 2 MiB pages, that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches
 // (the 1.5B's products, interleaved A/B in shuffled order, fast memory), and one row 0.90 of the time over the 1.5B's
