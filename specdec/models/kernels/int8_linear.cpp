@@ -37,7 +37,7 @@ constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: wi
 constexpr int kTileRows = kMaxAccumulators / kPanelZmm;
 constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several tiles share from L1
 // Ahead of the panel stream, into L1 (6 KiB). In the real 1.5B's forwards on a Zen 5 host (every product's kernel
-// swapped, paired shuffled rounds, 20–24 rounds a run), 24 steps instead of 8 took 0.81–0.90 of the time at 4–6 rows
+// swapped, paired shuffled rounds, 14–24 rounds a run), 24 steps instead of 8 took 0.81–0.90 of the time at 4–6 rows
 // in two runs (16: 0.85–0.98 in three, 32: 0.80–0.88 in two, 48: 0.84–0.91 in one) and 0.99–1.00 at 8–12 rows,
 // whose chunks are in L2 already.
 constexpr int64_t kPrefetchSteps = 24;
