@@ -27,10 +27,9 @@ constexpr int kMaxPanels = 4;
 // Calls of five rows and more prefetch their streams this many lines ahead into L1 and into L2 (up to 24 rows that is
 // one stream per tile; more rows, prefill chunks, read four): without it, 16 rows (where the arithmetic takes as long
 // as the stream) ran ~20% slower, the stream stalling behind the arithmetic. Calls of fewer rows read four streams
-// and leave them to the hardware prefetcher. On a Zen 5 host,
-// in the real 1.5B's forwards (every product's kernel swapped, paired shuffled rounds), 5–12 rows took 0.69–1.03 of
-// the time over one prefetched stream that they took over 2–4 streams (5: 0.81–1.00, 8: 0.69–0.89, 12: 0.98–1.03);
-// 1–4 rows took 0.88–1.07, so they keep four streams.
+// and leave them to the hardware prefetcher. On a Zen 5 host, in the real 1.5B's forwards (every product's kernel
+// swapped, paired shuffled rounds), 5–12 rows took 0.69–1.03 of the time over one prefetched stream that they took
+// over 2–4 streams (5: 0.81–1.00, 8: 0.69–0.89, 12: 0.98–1.03); 1–4 rows took 0.88–1.07, so they keep four streams.
 constexpr int64_t kPrefetchSteps = 24;
 constexpr int64_t kFarPrefetchSteps = 256;
 constexpr int kOneStreamRows = 5;
