@@ -152,3 +152,15 @@ def test_packed_and_dense_kernels_agree(tiny_qwen):
         cache = decoder.new_kv_cache(1, 32)
         logits.append(run(decoder, cache, [SequenceInput(cache.allocate(), ids)]).logits)
     torch.testing.assert_close(logits[0], logits[1], atol=ATOL, rtol=0)
+
+
+def test_rope_rows_come_from_a_table_bitwise_as_computed(tiny_qwen):
+    decoder = load_decoder(tiny_qwen)
+    for positions in (torch.tensor([5]), torch.arange(300, 316), torch.tensor([0, 1023, 1024, 5000])):
+        cos, sin = decoder.rope(positions)
+        # the formula on just these positions, as before the table
+        freqs = positions[:, None].float() * decoder.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        assert torch.equal(cos, emb.cos() * decoder.attention_scaling)
+        assert torch.equal(sin, emb.sin() * decoder.attention_scaling)
+    assert len(decoder.rope(torch.tensor([9000]))[0]) == 1

@@ -41,6 +41,20 @@ def test_allocate_free_and_capacity_errors():
     assert cache.bytes_per_token() == 2 * 1 * 1 * 4 * 4
 
 
+def test_layer_views_are_the_slots_storage():
+    cache = KVCache(num_layers=3, num_kv_heads=2, head_dim=4, num_slots=2, max_len=5)
+    views = cache.layer_views(1)
+    assert views is cache.layer_views(1) and len(views) == 3
+    keys, values = views[2]
+    assert keys.shape == values.shape == (2, 5, 4)
+    keys[1, 3] = 7.0  # what a kernel writes through the views lands in the slot
+    values[0, 4] = -1.0
+    stored_keys, stored_values = cache.view(2, 1, 5)
+    assert torch.equal(stored_keys[1, 3], torch.full((4,), 7.0)) and torch.equal(stored_values[0, 4], torch.full((4,), -1.0))
+    with pytest.raises(ValueError, match="no KV slot"):
+        cache.layer_views(2)
+
+
 def test_truncate_is_bitwise_the_same_forwards_without_the_rejected_tokens(tiny_qwen):
     decoder = load_decoder(tiny_qwen)
     prompt, block = [5, 6, 7, 8, 9], [11, 12, 13, 14]

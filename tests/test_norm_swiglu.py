@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(kernels.norm_swiglu() is None, reason="no AVX-51
 
 EPS = 1e-6
 ROWS = st.sampled_from([1, 2, 3, 7, 16, 65, 130])  # past 64 rows the norms split over threads
-FEATURES = st.sampled_from([1, 5, 16, 17, 100, 1536])  # whole and partial vectors of 16 lanes
+# whole and partial vectors of 16 lanes; SwiGLU splits rows into pieces of 1024 columns (2100: two and a partial)
+FEATURES = st.sampled_from([1, 5, 16, 17, 100, 1536, 2100])
 
 
 def _rows(rows: int, features: int, seed: int, scale: float = 3.0) -> torch.Tensor:

@@ -6,6 +6,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <tuple>
 
@@ -15,6 +16,8 @@ namespace {
 
 using specdec::kLanes;
 using specdec::lane_mask;
+
+constexpr int64_t kSwigluPiece = 1024;  // columns: a multiple of kLanes
 
 torch::Tensor rows_of(const torch::Tensor& x, const char* what) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() >= 1, what, ": float32 input expected");
@@ -87,10 +90,14 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   const float* in = rows.data_ptr<float>();
   float* o = out.data_ptr<float>();
   const __m512 one = _mm512_set1_ps(1.0f);
-  at::parallel_for(0, t, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
+  // pieces of kSwigluPiece columns of a row, so that both threads share even one row's work (one row of the 1.5B:
+  // 5.2 µs a call on one thread, hot; 4 rows 14.3 µs)
+  const int64_t pieces = (inner + kSwigluPiece - 1) / kSwigluPiece;
+  at::parallel_for(0, t * pieces, 2, [&](int64_t begin, int64_t end) {
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t r = task / pieces, first = task % pieces * kSwigluPiece;
       const float *gate = in + r * 2 * inner, *up = gate + inner;
-      for (int64_t c = 0; c < inner; c += kLanes) {
+      for (int64_t c = first; c < std::min(inner, first + kSwigluPiece); c += kLanes) {
         const __mmask16 m = lane_mask(inner - c);
         const __m512 g = _mm512_maskz_loadu_ps(m, gate + c);
         const __m512 e = specdec::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
