@@ -5,8 +5,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <tuple>
 
