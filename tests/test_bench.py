@@ -85,6 +85,7 @@ def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
         # and each request against the bandwidths probed right before and after it: one probe per timed request + 1
         assert len(r["decode_paired_shares"]) == len(r["request_probes_bytes_per_s"]) - 1 == 2
         assert all(share > 0 for share in r["decode_paired_shares"])
+        assert len(r["decode_step_paired_shares"]) == 2 and all(share > 0 for share in r["decode_step_paired_shares"])
     assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3
     assert (out / "cost_curve.png").stat().st_size > 10_000
     table = doc.read_text()

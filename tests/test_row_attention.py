@@ -65,10 +65,24 @@ def trees(draw, n: int) -> list[list[int]]:
     data=st.data(),
 )
 def test_rows_match_a_float64_reference_and_their_own_step_bitwise(shape, cached, n, tree, seed, data):
+    paths = data.draw(trees(n)) if tree else []
+    _check_rows(shape, cached, n, paths, seed)
+
+
+@pytest.mark.parametrize("cached", [60, 63, 64, 130])
+def test_a_deep_tree_path_across_blocks_of_values(cached):
+    """Tree rows fold their values in runs: the cache, then their gathered path; here the runs cross the kernel's
+    blocks of 64 values at several offsets."""
+    n = 24
+    chain = [list(range(i + 1)) for i in range(16)]  # one deep path, then side branches off it
+    branches = [chain[2 * i] + [16 + i] for i in range(n - 16)]
+    _check_rows((12, 2, 128), cached, n, chain + branches, seed=cached)
+
+
+def _check_rows(shape, cached: int, n: int, paths: list[list[int]], seed: int) -> None:
     heads, kv_heads, dim = shape
     qkv, cos, sin, keys, values = _problem(heads, kv_heads, dim, cached, n, seed)
     cached_keys, cached_values = keys[:, :cached].clone(), values[:, :cached].clone()
-    paths = data.draw(trees(n)) if tree else []
     kernel = kernels.row_attention()
     scale = 1 / math.sqrt(dim)
     out = kernel.attend(qkv, cos, sin, keys, values, cached, paths, scale)

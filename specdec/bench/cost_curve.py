@@ -65,10 +65,13 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     after = meter.measure()
     # each request's tok/s against the roofline at the faster of the probes around it (one probe is a 50 ms moment
     # of a request's seconds: against the probe after it alone, requests ran at 73–184% of the roofline)
-    decode_shares = [
-        tokens / seconds * work.roofline_ms(1, 128, dataclasses.replace(after, read_bytes_per_s=max(before, behind))) / 1000
-        for (tokens, seconds), before, behind in zip(passes["requests"], request_probes, request_probes[1:])
+    request_rooflines_ms = [
+        work.roofline_ms(1, 128, dataclasses.replace(after, read_bytes_per_s=max(before, behind)))
+        for before, behind in zip(request_probes, request_probes[1:])
     ]
+    decode_shares = [tokens / seconds * ms / 1000 for (tokens, seconds), ms in zip(passes["requests"], request_rooflines_ms)]
+    # the decode steps alone (1 / TPOT): roofline(1) models one step, not the request's prefill
+    step_shares = [ms / 1000 / tpot for tpot, ms in zip(tpot[1:], request_rooflines_ms) if tpot]
     ceilings = functools.reduce(Ceilings.best, by_round, before.best(after))
     roofline = {c: {k: work.roofline_ms(k, c, ceilings) for k in curve.ms[c]} for c in curve.ms}
     paired_ratio = {
@@ -88,6 +91,7 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
         "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
         "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed,
         "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "decode_paired_shares": decode_shares,
+        "decode_step_paired_shares": step_shares,
         "request_probes_bytes_per_s": request_probes, "prefill": _prefill(llm, ids),
         "nll": _mean_nll(model, ids),
     }
@@ -212,7 +216,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         f"{args.repeat} passes. Roofline tok/s = 1000 / roofline(k=1) at context 128, with the best ceilings of the "
         "run; % of roofline against them · against the ceilings measured right after the decode passes · each "
         "request's tok/s against the roofline at the faster of the read bandwidths probed right before and right after "
-        "it, median (min–max) over requests. Prefill: a "
+        "it, median (min–max) over requests · the same for each request's decode steps alone (1 / TPOT: without its "
+        "prefill, which roofline(1) does not model). Prefill: a "
         "1,016-token prompt (the held text) through the engine's 512-token chunks, TTFT median of 3. NLL: mean "
         "next-token negative log-likelihood (nats) over the held text (`bench/datasets/held_text.txt`, written for "
         f"the project); agreement: prompts whose {args.max_tokens} greedy tokens equal float32's exactly, and the "
@@ -239,7 +244,7 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         lines.append(
             f"| {model} | {_fmt(r)} | {med:.2f} ({low:.2f}–{high:.2f}) | {ratio} | {roof_tps:.1f} | "
             f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% · "
-            f"{_percent_spread(r['decode_paired_shares'])} | "
+            f"{_percent_spread(r['decode_paired_shares'])} · {_percent_spread(r['decode_step_paired_shares'])} | "
             f"{r['prefill']['tok_per_s']:.0f} | "
             f"{statistics.median(r['prefill']['ttft_s']):.2f} | {r['nll']:.4f} | {nll_delta} | {agree} |"
         )
@@ -247,6 +252,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
 
 
 def _percent_spread(shares: list[float]) -> str:
+    if not shares:
+        return "—"
     return f"{100 * statistics.median(shares):.0f}% ({100 * min(shares):.0f}–{100 * max(shares):.0f}%)"
 
 
