@@ -14,7 +14,8 @@
 // folds each lane of dimensions for all sixteen keys at once), and folds the values in blocks that stay in
 // cache while every row and head of the item takes its share. Values are read in runs contiguous in memory (the
 // cache, then the new tokens; a tree row's path is gathered first), with no table of pointers: against the table
-// per row and block, 0.92–0.96 of the attention's time at 2–16 rows (context 1024, 28 layers, bitwise equal).
+// per row and block, 0.93–0.99 of the attention's time at 2–16 rows, one row 0.99 (context 1024, 28 layers,
+// paired rounds, bitwise equal).
 // A scoring tile of 6 queries × 64 keys (one chain per lane of dimensions for 24 accumulators, its lane tree through
 // L1) ran no faster than the 4-query tile below, alone in L1 (88 against 92 G MAC/s a core) or in the kernel, and
 // its transposition of 64 keys cost more at 2–4 rows: not kept.
@@ -332,8 +333,8 @@ struct Kernels {
   static constexpr ValueTiling block_tiling{kBlockValueHeads, kBlockChunks, kBlockValueBlock, block_values};
 };
 
-// A thread's working memory, kept across its items and grown as needed, never initialized (each item writes what it
-// reads; zeroing the ~0.4 MB of sixteen rows' scores took ~0.3 ms a forward)
+// A thread's working memory, kept across its items and grown as needed, never initialized: each item writes what it
+// reads (sixteen rows' scores at context 1024 are ~0.4 MB a KV head)
 class Scratch {
  public:
   float* floats(int64_t count) {
