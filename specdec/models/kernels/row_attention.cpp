@@ -351,14 +351,11 @@ class Scratch {
 struct Rows {
   int64_t cached;
   const std::vector<std::vector<int64_t>>* paths;  // empty: causal
-  int64_t seen(int64_t row) const {
-    return paths->empty() || (*paths)[row].empty() ? row + 1 : static_cast<int64_t>((*paths)[row].size());
-  }
+  bool on_path(int64_t row) const { return !paths->empty() && !(*paths)[row].empty(); }  // else its own prefix
+  int64_t seen(int64_t row) const { return on_path(row) ? static_cast<int64_t>((*paths)[row].size()) : row + 1; }
   int64_t length(int64_t row) const { return cached + seen(row); }
-  bool gathered(int64_t row) const { return !paths->empty() && !(*paths)[row].empty(); }  // a tree path's tail
   int64_t position(int64_t row, int64_t j) const {  // the cache position of the row's j-th key
-    if (j < cached || paths->empty() || (*paths)[row].empty()) return j;
-    return cached + (*paths)[row][j - cached];
+    return j < cached || !on_path(row) ? j : cached + (*paths)[row][j - cached];
   }
 };
 
@@ -373,23 +370,23 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   for (int64_t r = r0; r < r1; ++r) longest = std::max(longest, rows.length(r));
   const int64_t stride = (longest + kKeyBlock - 1) / kKeyBlock * kKeyBlock;  // floats per (row, head) of scores
   const int64_t count = r1 - r0;
-  // the tree paths' tails: each row's values after the cache, gathered in order
-  std::vector<int64_t> tail_first(count + 1, 0);
-  for (int64_t r = r0; r < r1; ++r) tail_first[r - r0 + 1] = tail_first[r - r0] + (rows.gathered(r) ? rows.seen(r) : 0);
+  // a tree row's values after the cache (its path), gathered in order: `tail` tokens a row; causal rows read theirs
+  // from the cache
+  const int64_t tail = rows.paths->empty() ? 0 : longest - rows.cached;
   // one buffer per thread, kept across its items (64-byte aligned): partial sums, a transposed key block, scores,
   // 1 / Σ p per (row, head), the tails
   constexpr int64_t kPartial = kTileHeads * kKeyBlock * kLanes;
   constexpr int64_t kTransposedKeys = CHUNKS * kLanes * kLanes;
-  float* buffer = scratch.floats(kLanes + kPartial + kTransposedKeys + count * group * (stride + 1) + tail_first[count] * d);
+  float* buffer = scratch.floats(kLanes + kPartial + kTransposedKeys + count * group * (stride + 1) + count * tail * d);
   float* partial = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(buffer) + 63) & ~uintptr_t{63});
   float* kt = partial + kPartial;
   float* scores = kt + kTransposedKeys;
   float* inverses = scores + count * group * stride;
   float* tails = inverses + count * group;
   for (int64_t r = r0; r < r1; ++r)
-    if (rows.gathered(r))
+    if (rows.on_path(r))
       for (int64_t j = 0; j < rows.seen(r); ++j)
-        std::memcpy(tails + (tail_first[r - r0] + j) * d, values + rows.position(r, rows.cached + j) * d, d * sizeof(float));
+        std::memcpy(tails + ((r - r0) * tail + j) * d, values + rows.position(r, rows.cached + j) * d, d * sizeof(float));
   const float* pointers[kKeyBlock];
   // scores, sixteen keys at a time for every row and head (the keys stay in L1 from the first row to the last)
   const bool transposed = !MASKED && count >= kTransposedMinRows;
@@ -453,10 +450,10 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
       if (j0 >= length) continue;
       // the block in runs of values contiguous in memory: the cache up to the row's tail, which is contiguous too
       // when causal, else gathered
-      const bool gathered = rows.gathered(r);
+      const bool gathered = rows.on_path(r);
       for (int64_t run = j0; run < end;) {
         const int64_t run_end = gathered && run < rows.cached ? std::min(end, rows.cached) : end;
-        const float* source = gathered && run >= rows.cached ? tails + (tail_first[r - r0] + run - rows.cached) * d
+        const float* source = gathered && run >= rows.cached ? tails + ((r - r0) * tail + run - rows.cached) * d
                                                              : values + run * d;
         const float* sr = scores + (r - r0) * group * stride + run;
         float* orow = out + (r * heads + kvh * group) * d;
