@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -30,6 +31,17 @@ def _isolated_cache(request, tmp_path, monkeypatch):
     """Tests never write to the user's model cache, except the real-model (`slow`) ones, which share it."""
     if request.node.get_closest_marker("slow") is None:
         monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec-cache"))
+
+
+@pytest.fixture
+def oversubscribed_threads():
+    """Three intra-op threads per core for the test (the OS time-slices them, so work split between them finishes
+    unevenly); the thread count is restored after."""
+    before = torch.get_num_threads()
+    threads = 3 * (os.cpu_count() or 1)
+    torch.set_num_threads(threads)
+    yield threads
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="session")

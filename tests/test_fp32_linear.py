@@ -39,6 +39,22 @@ def test_rows_are_accurate_and_bitwise_alone_or_together(rows, out_features, in_
     assert torch.equal(linear(x[None])[0], together)  # leading dimensions are kept
 
 
+@pytest.mark.parametrize("rows", [1, 8])
+def test_rows_are_exact_when_threads_take_from_each_others_shares(rows, oversubscribed_threads):
+    """More intra-op threads than cores: their shares of the panels finish unevenly and a thread that is done takes
+    panels from the back of another's share; every output is still computed, bitwise as with the default threads."""
+    g = torch.Generator().manual_seed(5)
+    weight = torch.randn(4096, 160, generator=g)
+    x = torch.randn(rows, 160, generator=g)
+    linear = Avx512Linear(weight)
+    with torch.inference_mode():
+        torch.set_num_threads(1)
+        expected = linear(x)
+        torch.set_num_threads(oversubscribed_threads)
+        for _ in range(30):
+            assert torch.equal(linear(x), expected)
+
+
 def test_agrees_with_onednn_on_a_model_sized_matrix():
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(1000, 1536, generator=g) * 0.03, torch.randn(1000, generator=g)

@@ -18,6 +18,7 @@
 #include <utility>
 
 #include "huge_pages.h"
+#include "shared_work.h"
 
 namespace {
 
@@ -135,8 +136,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   const float* p = packed.data_ptr<float>();
   float* out = y.data_ptr<float>();
   const int64_t chunk = row_tiles == 1 ? k : kChunkSteps, groups = (panels + nr - 1) / nr;
-  at::parallel_for(0, groups, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t g = begin; g < end; ++g) {
+  specdec::parallel_shares(groups, [&](specdec::ShareCursor& cursor) {
+    int64_t g;
+    while (cursor.next(g)) {
       const int panels_here = static_cast<int>(std::min<int64_t>(nr, panels - g * nr));
       const int64_t col = g * nr * kLanes, width = std::min<int64_t>(panels_here * kLanes, n - col);
       for (int64_t k0 = 0; k0 < k; k0 += chunk) {

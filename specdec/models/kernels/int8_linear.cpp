@@ -26,6 +26,7 @@
 #include <vector>
 
 #include "huge_pages.h"
+#include "shared_work.h"
 
 namespace {
 
@@ -213,12 +214,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  at::parallel_for(0, blocks, 1, [&](int64_t begin, int64_t end) {
+  specdec::parallel_shares(blocks, [&](specdec::ShareCursor& cursor) {
     std::vector<__m512i> sums(row_tiles * kMaxAccumulators);  // each tile's [rows][64] int32 sums
     int32_t* acc = reinterpret_cast<int32_t*>(sums.data());
-    for (int64_t nb = begin; nb < end; ++nb) {
+    int64_t nb;
+    bool own;
+    while (cursor.next(nb, own)) {
       const int8_t* panel = p + nb * steps * kStepBytes;
-      const char* next_panel = nb + 1 < end ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
+      // a thread's own panels follow one another in memory: one stream
+      const char* next_panel = own && nb + 1 < blocks ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
       if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher up to 3 rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "huge_pages.h"
+#include "shared_work.h"
 
 namespace {
 
@@ -142,9 +143,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   float* out = y.data_ptr<float>();
   const int64_t row_tiles = (m + kMaxTileRows - 1) / kMaxTileRows;
   const int64_t chunk = row_tiles == 1 ? steps : kChunkSteps;
-  at::parallel_for(0, panels, 1, [&](int64_t begin, int64_t end) {
+  specdec::parallel_shares(panels, [&](specdec::ShareCursor& cursor) {
     std::unique_ptr<int32_t[]> acc(new int32_t[m * kPanel]);  // not zeroed: every tile's first chunk starts from zero
-    for (int64_t panel = begin; panel < end; ++panel) {
+    int64_t panel;
+    while (cursor.next(panel)) {
       const int8_t* weights = p + panel * steps * kStepBytes;
       for (int64_t s0 = 0; s0 < steps; s0 += chunk) {
         const int64_t here = std::min(chunk, steps - s0);
