@@ -124,7 +124,7 @@ def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
 @pytest.mark.parametrize("rows", [1, 8])
 def test_specdec_int8_kernels_are_exact_when_threads_take_from_each_others_shares(kernel, rows, oversubscribed_threads):
     """More intra-op threads than cores: the OS time-slices them, so their shares of the panels finish unevenly and
-    a thread that is done takes panels from the back of another's share. Every output is still computed, once."""
+    a thread that is done takes panels from the back of another's share. Every output is still computed, exactly."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(4096, 160, generator=g) * 0.05
     x = torch.randn(rows, 160, generator=g)
