@@ -235,9 +235,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
         const int8_t* chunk_weights = panel + s0 * kStepBytes;
         const char* next = s0 + chunk < steps ? reinterpret_cast<const char*>(chunk_weights + chunk * kStepBytes) : next_panel;
         for (int64_t t = 0; t < row_tiles; ++t) {
-          // the first tile streams the chunk into L1; the tiles share the next chunk's lines out between them
-          const Prefetch prefetch{t ? nullptr : reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes),
-                                  next, next ? static_cast<int>(t * kPanelZmm / row_tiles) : 0,
+          // the tiles share the next chunk's lines out between them; none prefetches its own chunk into L1 (the
+          // first tile's doing so, 24 k-steps ahead, took 1.25–1.33× the time at 7–8 rows on a Zen 4 host, whose
+          // 32 KiB L1 holds two chunks and nothing else; on a Zen 5 host, 48 KiB, dropping it took 0.96–1.04× the time)
+          const Prefetch prefetch{nullptr, next, next ? static_cast<int>(t * kPanelZmm / row_tiles) : 0,
                                   next ? static_cast<int>((t + 1) * kPanelZmm / row_tiles) : 0};
           const int rows = static_cast<int>(tile_first[t + 1] - tile_first[t]);
           (s0 ? kResumedChunkTiles : kChunkTiles)[rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride,
