@@ -113,8 +113,9 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
   });
 }
 
-// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: null where the steps are in
-// L1 already), and lines [next_first, next_end) of step s of what comes next (null: nothing) into L2.
+// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: null for tiles sharing chunks,
+// whose next-chunk prefetch brings theirs), and lines [next_first, next_end) of step s of what comes next (null:
+// nothing) into L2.
 struct Prefetch {
   const char* own;
   const char* next;
