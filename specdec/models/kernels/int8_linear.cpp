@@ -113,9 +113,9 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
   });
 }
 
-// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: null for tiles sharing chunks,
-// whose next-chunk prefetch brings theirs), and lines [next_first, next_end) of step s of what comes next (null:
-// nothing) into L2.
+// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: read by one-tile calls of more
+// than kHardwarePrefetchMaxRows rows only; tiles sharing chunks get theirs from the next-chunk prefetch), and lines
+// [next_first, next_end) of step s of what comes next (null: nothing) into L2.
 struct Prefetch {
   const char* own;
   const char* next;
@@ -129,7 +129,7 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
-  constexpr bool kHardwarePrefetchOnly = kStepMajor && MR <= kHardwarePrefetchMaxRows;
+  constexpr bool kOwnPrefetch = kStepMajor && MR > kHardwarePrefetchMaxRows;
   __m512i acc[MR][kPanelZmm];
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
@@ -138,11 +138,9 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
       acc[m][j] = kResume ? _mm512_load_si512(acc_out + (m * kPanelZmm + j) * kLanes) : _mm512_setzero_si512();
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* step = panel + s * kStepBytes;
-    if constexpr (!kHardwarePrefetchOnly) {
-      if (prefetch.own) {
+    if constexpr (kOwnPrefetch) {
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
-      }
+      for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
     }
     for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
       _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
