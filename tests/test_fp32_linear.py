@@ -1,6 +1,6 @@
-"""specdec's float32 kernel (kernels/fp32_linear.cpp): accurate against a float64 reference, every row bitwise the
-same alone or with other rows (one chain of fused multiply-adds per output, whatever the tiling), and close to
-oneDNN's and PyTorch's kernels."""
+"""specdec's float32 kernel (kernels/fp32_linear.cpp), each build this CPU runs (AVX-512, AVX2): accurate against a
+float64 reference, every row bitwise the same alone or with other rows (one chain of fused multiply-adds per output,
+whatever the tiling), and close to oneDNN's and PyTorch's kernels."""
 
 from __future__ import annotations
 
@@ -11,24 +11,27 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from specdec.models import kernels
-from specdec.models.linear import Avx512Linear, PrepackedLinear
+from specdec.models.linear import PanelLinear, PrepackedLinear
 
-pytestmark = pytest.mark.skipif(kernels.fp32_avx512() is None, reason="no AVX-512 on this CPU (or no compiler)")
+pytestmark = pytest.mark.skipif(kernels.fp32_linear() is None, reason="no AVX-512 or AVX2 on this CPU (or no compiler)")
+ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in kernels.runnable_isas()])
 
-# rows 1–4 take one tile over four panels (fewer at the last channels), 5–24 one tile over one panel; more rows take
-# several tiles over chunks of 512 inputs (the partial sums kept in the output between chunks)
+# AVX-512: rows 1–4 take one tile over four panels (fewer at the last channels), 5–24 one tile over one panel; more
+# rows take several tiles over chunks of 512 inputs (the partial sums kept in the output between chunks). AVX2: 1–3
+# rows over two panels, 4–6 over one, more in tiles of 6 rows over one panel, by chunks.
 ROWS = st.sampled_from([1, 2, 4, 5, 6, 8, 12, 16, 24, 25, 31, 64])
 
 
 @settings(max_examples=40, deadline=None)
 @given(rows=ROWS, out_features=st.integers(1, 200), in_features=st.sampled_from([1, 3, 16, 100, 511, 512, 513, 1300]),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
-def test_rows_are_accurate_and_bitwise_alone_or_together(rows, out_features, in_features, with_bias, seed):
+@ISAS
+def test_rows_are_accurate_and_bitwise_alone_or_together(isa, rows, out_features, in_features, with_bias, seed):
     g = torch.Generator().manual_seed(seed)
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     x = torch.randn(rows, in_features, generator=g) * torch.logspace(-2, 2, rows)[:, None]
-    linear = Avx512Linear(weight, bias)
+    linear = PanelLinear(weight, bias, isa)
     together = linear(x)
     reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     # float32 sums of `in_features` products: error bound ~ in_features · eps · Σ|x_k w_k|
@@ -39,14 +42,15 @@ def test_rows_are_accurate_and_bitwise_alone_or_together(rows, out_features, in_
     assert torch.equal(linear(x[None])[0], together)  # leading dimensions are kept
 
 
+@ISAS
 @pytest.mark.parametrize("rows", [1, 8])
-def test_rows_are_exact_when_threads_take_from_each_others_shares(rows, oversubscribed_threads):
+def test_rows_are_exact_when_threads_take_from_each_others_shares(isa, rows, oversubscribed_threads):
     """More intra-op threads than cores: their shares of the panels finish unevenly and a thread that is done takes
     panels from the back of another's share; every output is still computed, bitwise as with the default threads."""
     g = torch.Generator().manual_seed(5)
     weight = torch.randn(4096, 160, generator=g)
     x = torch.randn(rows, 160, generator=g)
-    linear = Avx512Linear(weight)
+    linear = PanelLinear(weight, isa=isa)
     with torch.inference_mode():
         torch.set_num_threads(1)
         expected = linear(x)
@@ -55,17 +59,18 @@ def test_rows_are_exact_when_threads_take_from_each_others_shares(rows, oversubs
             assert torch.equal(linear(x), expected)
 
 
-def test_agrees_with_onednn_on_a_model_sized_matrix():
+@ISAS
+def test_agrees_with_onednn_on_a_model_sized_matrix(isa):
     g = torch.Generator().manual_seed(0)
     weight, bias = torch.randn(1000, 1536, generator=g) * 0.03, torch.randn(1000, generator=g)
     x = torch.randn(16, 1536, generator=g)
-    linear = Avx512Linear(weight, bias)
+    linear = PanelLinear(weight, bias, isa)
     assert linear.packed.data_ptr() % 2**21 == 0  # 6 MB of weights: packed on 2 MiB pages
     torch.testing.assert_close(linear(x), PrepackedLinear(weight, bias)(x), atol=2e-5, rtol=1e-5)
 
 
 def test_bad_shapes_are_refused():
-    linear = Avx512Linear(torch.randn(8, 32))
+    linear = PanelLinear(torch.randn(8, 32))
     with pytest.raises(RuntimeError, match="features"):
         linear.kernel.linear(torch.randn(2, 31), linear.packed, None, 8)
     with pytest.raises(RuntimeError, match="outputs"):

@@ -1,5 +1,6 @@
-"""specdec's RMSNorm and SwiGLU kernel (kernels/norm_swiglu.cpp): within a few float32 ulps of PyTorch's ops, every
-row bitwise the same alone or with other rows, and the decoder's forwards the same with it as with PyTorch's ops."""
+"""specdec's RMSNorm and SwiGLU kernel (kernels/norm_swiglu.cpp), each build this CPU runs (AVX-512, AVX2): within a
+few float32 ulps of PyTorch's ops, every row bitwise the same alone or with other rows, and the decoder's forwards the
+same with it as with PyTorch's ops."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.loader import load_decoder
 
-pytestmark = pytest.mark.skipif(kernels.norm_swiglu() is None, reason="no AVX-512 on this CPU (or no compiler)")
+pytestmark = pytest.mark.skipif(kernels.norm_swiglu() is None, reason="no AVX-512 or AVX2 on this CPU (or no compiler)")
+ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in kernels.runnable_isas()])
 
 EPS = 1e-6
 ROWS = st.sampled_from([1, 2, 3, 7, 16, 65, 130])  # past 64 rows the norms split over threads
@@ -36,8 +38,9 @@ def _assert_rows_bitwise(fn, *inputs: torch.Tensor) -> None:
 
 @settings(max_examples=30, deadline=None)
 @given(rows=ROWS, features=FEATURES, seed=st.integers(0, 2**16))
-def test_rms_norm_and_its_residual_add_match_pytorch(rows, features, seed):
-    kernel = kernels.norm_swiglu()
+@ISAS
+def test_rms_norm_and_its_residual_add_match_pytorch(isa, rows, features, seed):
+    kernel = kernels.norm_swiglu(isa)
     x, delta = _rows(rows, features, seed), _rows(rows, features, seed + 1)
     weight = torch.randn(features, generator=torch.Generator().manual_seed(seed + 2))
     # the sum of squares is added in another order than PyTorch's: a few ulps of the output
@@ -53,24 +56,27 @@ def test_rms_norm_and_its_residual_add_match_pytorch(rows, features, seed):
 
 @settings(max_examples=30, deadline=None)
 @given(rows=ROWS, inner=FEATURES, seed=st.integers(0, 2**16))
-def test_swiglu_matches_pytorch(rows, inner, seed):
-    kernel = kernels.norm_swiglu()
+@ISAS
+def test_swiglu_matches_pytorch(isa, rows, inner, seed):
+    kernel = kernels.norm_swiglu(isa)
     gate_up = _rows(rows, 2 * inner, seed, scale=2.0)
     gate, up = gate_up.chunk(2, dim=-1)
     torch.testing.assert_close(kernel.swiglu(gate_up), F.silu(gate) * up, rtol=1e-6, atol=1e-30)
     _assert_rows_bitwise(kernel.swiglu, gate_up)
 
 
-def test_swiglu_at_the_extremes():
+@ISAS
+def test_swiglu_at_the_extremes(isa):
     gate = torch.tensor([0.0, -0.0, 1e-30, -1e-30, 20.0, -20.0, 88.0, -88.0, 100.0, -100.0, 1e4, -1e4, 3e38, -3e38])
     up = torch.full_like(gate, 0.75)
     expected = F.silu(gate.double()) * up.double()
-    got = kernels.norm_swiglu().swiglu(torch.cat((gate, up))[None])[0]
+    got = kernels.norm_swiglu(isa).swiglu(torch.cat((gate, up))[None])[0]
     torch.testing.assert_close(got.double(), expected, rtol=1e-6, atol=1e-37)
 
 
-def test_bad_inputs_are_refused():
-    kernel = kernels.norm_swiglu()
+@ISAS
+def test_bad_inputs_are_refused(isa):
+    kernel = kernels.norm_swiglu(isa)
     with pytest.raises(RuntimeError, match="float32"):
         kernel.rms_norm(torch.ones(2, 4, dtype=torch.float64), torch.ones(4), EPS)
     with pytest.raises(RuntimeError, match="weight of 4"):

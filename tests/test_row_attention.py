@@ -1,6 +1,6 @@
-"""specdec's attention kernel for a step's new tokens (kernels/row_attention.cpp): RoPE and the cache write bitwise
-PyTorch's, attention accurate against a float64 reference, and each row bitwise the one-token step that sees the
-same keys (batch invariance)."""
+"""specdec's attention kernel for a step's new tokens (kernels/row_attention.cpp), each build this CPU runs: RoPE and
+the cache write bitwise PyTorch's, attention accurate against a float64 reference, and each row bitwise the one-token
+step that sees the same keys (batch invariance)."""
 
 from __future__ import annotations
 
@@ -17,7 +17,9 @@ from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import apply_rope
 from specdec.models.loader import load_decoder
 
-pytestmark = pytest.mark.skipif(kernels.row_attention() is None, reason="no AVX-512 on this CPU (or no compiler)")
+pytestmark = pytest.mark.skipif(kernels.row_attention() is None,
+                                reason="no AVX-512 or AVX2 on this CPU (or no compiler)")
+ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in kernels.runnable_isas()])
 
 
 def _problem(heads: int, kv_heads: int, dim: int, cached: int, n: int, seed: int):
@@ -64,26 +66,28 @@ def trees(draw, n: int) -> list[list[int]]:
     seed=st.integers(0, 2**16),
     data=st.data(),
 )
-def test_rows_match_a_float64_reference_and_their_own_step_bitwise(shape, cached, n, tree, seed, data):
+@ISAS
+def test_rows_match_a_float64_reference_and_their_own_step_bitwise(isa, shape, cached, n, tree, seed, data):
     paths = data.draw(trees(n)) if tree else []
-    _check_rows(shape, cached, n, paths, seed)
+    _check_rows(isa, shape, cached, n, paths, seed)
 
 
+@ISAS
 @pytest.mark.parametrize("cached", [60, 63, 64, 130])
-def test_a_deep_tree_path_across_blocks_of_values(cached):
+def test_a_deep_tree_path_across_blocks_of_values(isa, cached):
     """Tree rows fold their values in runs: the cache, then their gathered path; here the runs cross the kernel's
     blocks of 64 values at several offsets."""
     n = 24
     chain = [list(range(i + 1)) for i in range(16)]  # one deep path, then side branches off it
     branches = [chain[2 * i] + [16 + i] for i in range(n - 16)]
-    _check_rows((12, 2, 128), cached, n, chain + branches, seed=cached)
+    _check_rows(isa, (12, 2, 128), cached, n, chain + branches, seed=cached)
 
 
-def _check_rows(shape, cached: int, n: int, paths: list[list[int]], seed: int) -> None:
+def _check_rows(isa: kernels.Isa, shape, cached: int, n: int, paths: list[list[int]], seed: int) -> None:
     heads, kv_heads, dim = shape
     qkv, cos, sin, keys, values = _problem(heads, kv_heads, dim, cached, n, seed)
     cached_keys, cached_values = keys[:, :cached].clone(), values[:, :cached].clone()
-    kernel = kernels.row_attention()
+    kernel = kernels.row_attention(isa)
     scale = 1 / math.sqrt(dim)
     out = kernel.attend(qkv, cos, sin, keys, values, cached, paths, scale)
     assert out.shape == (n, heads * dim)
@@ -103,9 +107,10 @@ def _check_rows(shape, cached: int, n: int, paths: list[list[int]], seed: int) -
         assert torch.equal(step[0], out[i])
 
 
-def test_bad_inputs_are_refused():
+@ISAS
+def test_bad_inputs_are_refused(isa):
     qkv, cos, sin, keys, values = _problem(4, 2, 16, 3, 2, 0)
-    kernel = kernels.row_attention()
+    kernel = kernels.row_attention(isa)
     with pytest.raises(RuntimeError, match="outside the new tokens"):
         kernel.attend(qkv, cos, sin, keys, values, 3, [[0], [0, 2]], 0.25)
     with pytest.raises(RuntimeError, match="one path per row"):

@@ -19,13 +19,14 @@ from pathlib import Path
 
 import torch
 
+from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
 
 # up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
 # priced from them: per token it costs far more than the slope of the small-k end suggests)
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
-CURVE_VERSION = 22  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+CURVE_VERSION = 23  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
@@ -146,12 +147,13 @@ def measure_cost_curve(
 
 
 def machine_fingerprint(device: torch.device | str = "cpu") -> str:
-    """What the curve depends on besides the model: CPU, threads, torch build, and the GPU if it runs on one."""
+    """What the curve depends on besides the model: CPU, threads, torch build and kernels' instruction sets, and the
+    GPU if it runs on one."""
     cpu = platform.processor() or platform.machine()
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
-    key = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}"
+    key = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{kernels.runnable_isas()}"
     if torch.device(device).type == "cuda":
         key += f"|{torch.cuda.get_device_name(device)}|{torch.version.cuda}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]

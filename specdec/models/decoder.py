@@ -120,11 +120,12 @@ class Decoder:
         # a sequence feeding at most this many causal tokens in a forward gets each token's row exactly as if
         # it were fed alone (the engine keeps speculative steps within it)
         self.row_invariant_tokens = ROW_INVARIANT_TOKENS
-        # those rows' RoPE, KV write and attention: specdec's AVX-512 kernel, one call per layer, where it runs; else
-        # PyTorch ops and an attention call per row
+        # those rows' RoPE, KV write and attention: specdec's kernel (AVX-512 or AVX2), one call per layer, where it
+        # runs; else PyTorch ops and an attention call per row
         cpu_float32 = self.device.type == "cpu" and self.dtype == torch.float32
         self.row_attention = kernels.row_attention() if cpu_float32 else None
-        # RMSNorm (after the residual add) and SwiGLU: specdec's AVX-512 kernel where it runs, else PyTorch ops
+        # RMSNorm (after the residual add) and SwiGLU: specdec's kernel (AVX-512 or AVX2) where it runs, else PyTorch
+        # ops
         self.norm_swiglu = kernels.norm_swiglu() if cpu_float32 else None
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:

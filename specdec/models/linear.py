@@ -1,8 +1,8 @@
 """The linear-kernel layer: a weight prepared once at load, applied many times.
 
 `DenseLinear` is plain `F.linear` (any device and dtype). float32 CPU weights are packed once:
-`Avx512Linear` (specdec's kernel, where the CPU has AVX-512) streams them in panels at about what a
-plain sum over memory reads, for 1 to 16 rows, with each row's result independent of the others;
+`PanelLinear` (specdec's kernel, where the CPU has AVX-512 or AVX2 with FMA) streams them in panels at about
+what a plain sum over memory reads, for 1 to 16 rows, with each row's result independent of the others;
 elsewhere `PrepackedLinear` reorders them into oneDNN's blocked layout (rows up to ~8 cost little
 more than one, where the stock kernel costs 2–3× more for 2–3 rows than for one).
 `Int8Linear` stores int8 weights (one scale per output channel) and quantizes activations per
@@ -69,15 +69,18 @@ class PrepackedLinear:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
-class Avx512Linear:
-    """float32 on CPU through specdec's AVX-512 kernel (kernels/fp32_linear.cpp), the weight packed once into panels
-    of 16 output channels (x: [rows, in]). Every output is one chain of fused multiply-adds in input order, whatever
+class PanelLinear:
+    """float32 on CPU through specdec's kernel (kernels/fp32_linear.cpp, built for `isa`: AVX-512 or AVX2, by default
+    the fastest this CPU runs; the same bits on either), the weight packed once into panels of 16 output channels
+    (x: [rows, in]). Every output is one chain of fused multiply-adds in input order, whatever
     the rows and tiling, so a row's result is bitwise the same alone or with others (batch invariance, tested). For
     1–16 rows it reads the weights 1.1–1.4× faster than oneDNN's prepacked kernel, up to about what a plain sum
     over the same memory reads; for prefill chunks it is ~10% slower than oneDNN (BENCHMARKS.md)."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
-        self.kernel = kernels.fp32_avx512()
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: kernels.Isa | None = None) -> None:
+        self.kernel = kernels.fp32_linear(isa)
+        if self.kernel is None:
+            raise ValueError(f"specdec's float32 kernel does not run on this CPU for {isa or 'any instruction set'}")
         self.packed = self.kernel.pack(weight.float())
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
@@ -181,12 +184,13 @@ def int8_linear() -> type[Int8Linear]:
     return Avx2Int8Linear if kernels.int8_avx2() is not None else OneDnnInt8Linear
 
 
-def float32_linear() -> type[Avx512Linear] | type[PrepackedLinear]:
-    """The packed float32 CPU kernel for this process: specdec's where the CPU has AVX-512 and it builds, else oneDNN's."""
-    return Avx512Linear if kernels.fp32_avx512() is not None else PrepackedLinear
+def float32_linear() -> type[PanelLinear] | type[PrepackedLinear]:
+    """The packed float32 CPU kernel for this process: specdec's where the CPU has AVX-512 or AVX2 and it builds, else
+    oneDNN's."""
+    return PanelLinear if kernels.fp32_linear() is not None else PrepackedLinear
 
 
-Linear = DenseLinear | PrepackedLinear | Avx512Linear | Int8Linear
+Linear = DenseLinear | PrepackedLinear | PanelLinear | Int8Linear
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 

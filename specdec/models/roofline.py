@@ -17,7 +17,7 @@ import torch
 
 from specdec.models.decoder import Decoder
 from specdec.models.linear import (
-    Avx512Linear,
+    PanelLinear,
     Int8Linear,
     Linear,
     OneDnnInt8Linear,
@@ -115,9 +115,9 @@ class CeilingMeter:
             "fp32 GEMV (oneDNN)": lambda: torch.ops.mkldnn._linear_pointwise(self._row, onednn, None, "none", [], ""),
         }
         self._probes = [flat.sum]
-        if float32_linear() is Avx512Linear:
-            self._readers["fp32 GEMV (Avx512Linear)"] = functools.partial(Avx512Linear(matrix), self._row)
-            self._probes.append(self._readers["fp32 GEMV (Avx512Linear)"])
+        if float32_linear() is PanelLinear:
+            self._readers["fp32 GEMV (PanelLinear)"] = functools.partial(PanelLinear(matrix), self._row)
+            self._probes.append(self._readers["fp32 GEMV (PanelLinear)"])
         square = torch.randn(4096, 4096, generator=g)
         # GEMMs of 512 and of 64 rows: specdec's int8 kernel runs faster at 16–64 rows than at 512, whose activations
         # and sums outgrow L2 (Zen 5 host, weights in cache: 771–836 G MAC/s against 500–758), and a ceiling is what

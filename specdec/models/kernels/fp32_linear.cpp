@@ -1,17 +1,18 @@
-// float32 linear for decode and verification rows (and prefill chunks), AVX-512F.
+// float32 linear for decode and verification rows (and prefill chunks), AVX-512F or AVX2 with FMA (simd.h: the same
+// sums, bitwise, in tiles sized to each one's registers).
 //
 // y[m, n] = Σ_k x[m, k] · W[n, k] + b[n], every sum one chain of fused multiply-adds in k order from 0, whatever the
 // number of rows or the tiling: a row's result is bitwise the same alone or with others (batch invariance).
 // Weights are packed once into panels of 16 output channels, k-major ([N / 16][K][16]), on 2 MiB pages (huge_pages.h):
-// a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR ≤ 24
-// accumulators in registers and reads NR streams; the rows' inputs come k-major (x transposed once), so a k-step's
-// broadcasts share a line.
-// Up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1): every weight is read from memory once. More rows:
-// tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial sums wait in y between
-// chunks: storing a float32 and loading it back is exact, so the chain is unchanged).
+// a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR
+// accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
+// k-major (x transposed once), so a k-step's broadcasts share a line.
+// AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1), so every weight is read from memory
+// once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial
+// sums wait in y between chunks: storing a float32 and loading it back is exact, so the chain is unchanged). AVX2:
+// 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing chunks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <array>
 #include <cstdint>
@@ -19,12 +20,16 @@
 
 #include "huge_pages.h"
 #include "shared_work.h"
+#include "simd.h"
 
 namespace {
 
-constexpr int64_t kLanes = 16;           // channels per panel (one zmm)
-constexpr int kMaxAccumulators = 24;     // + NR weights: within the 32 zmm
-constexpr int kMaxPanels = 4;
+namespace simd = specdec::simd;
+using simd::kLanes;                      // channels per panel (one vector)
+constexpr int kMaxAccumulators = simd::kWide ? 24 : 6;  // + NR weights and a broadcast: within the registers
+constexpr int kMaxPanels = 4;                           // the most panels a tile reads
+constexpr int kFewRowPanels = simd::kWide ? 4 : 2;      // panels per tile below kOneStreamRows rows
+constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when the rows need several tiles
 // Calls of five rows and more prefetch their streams this many lines ahead into L1 and into L2 (up to 24 rows that is
 // one stream per tile; more rows, prefill chunks, read four): without it, 16 rows (where the arithmetic takes as long
 // as the stream) ran ~20% slower, the stream stalling behind the arithmetic. Calls of fewer rows read four streams
@@ -33,7 +38,9 @@ constexpr int kMaxPanels = 4;
 // over 2–4 streams (5: 0.81–1.00, 8: 0.69–0.89, 12: 0.98–1.03); 1–4 rows took 0.88–1.07, so they keep four streams.
 constexpr int64_t kPrefetchSteps = 24;
 constexpr int64_t kFarPrefetchSteps = 256;
-constexpr int kOneStreamRows = 5;
+// AVX2 (measured on a Zen 4 host running the AVX2 build, the 1.5B's 113 products, 6 paired rounds): 2 / 3 rows over
+// two panels took 0.82 / 0.89 of their time over one prefetched panel; one row over two panels or four, the same.
+constexpr int kOneStreamRows = simd::kWide ? 5 : 4;
 constexpr int64_t kChunkSteps = 512;     // k per chunk when several row tiles share the panels (4 × 32 KiB)
 
 // W [N, K] float → packed [ceil(N / 16)][K][16], the last panel's missing channels zero
@@ -57,18 +64,15 @@ torch::Tensor pack(torch::Tensor weight) {
 template <int MR, int NR>
 void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* panel, int64_t panel_stride,
                 bool prefetch, bool resume, float* y, int64_t n, int64_t width) {
-  __m512 acc[MR][NR];
-  __mmask16 mask[NR];
+  simd::Vec acc[MR][NR];
+  simd::Mask mask[NR];
 #pragma GCC unroll 4
-  for (int j = 0; j < NR; ++j) {
-    const int64_t w = width - j * kLanes;
-    mask[j] = w >= kLanes ? 0xFFFF : w <= 0 ? 0 : static_cast<__mmask16>((1u << w) - 1);
-  }
+  for (int j = 0; j < NR; ++j) mask[j] = simd::lane_mask(width - j * kLanes);
   // every loop over rows and panels unrolled whole, so GCC keeps the accumulators in registers
 #pragma GCC unroll 24
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) acc[m][j] = resume ? _mm512_maskz_loadu_ps(mask[j], y + m * n + j * kLanes) : _mm512_setzero_ps();
+    for (int j = 0; j < NR; ++j) acc[m][j] = resume ? simd::load(mask[j], y + m * n + j * kLanes) : simd::zero();
   for (int64_t s = 0; s < steps; ++s) {
     if (prefetch) {
 #pragma GCC unroll 4
@@ -77,21 +81,21 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
         _mm_prefetch(reinterpret_cast<const char*>(panel + j * panel_stride + (s + kFarPrefetchSteps) * kLanes), _MM_HINT_T1);
       }
     }
-    __m512 w[NR];
+    simd::Vec w[NR];
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) w[j] = _mm512_loadu_ps(panel + j * panel_stride + s * kLanes);
+    for (int j = 0; j < NR; ++j) w[j] = simd::load(panel + j * panel_stride + s * kLanes);
     const float* a = xt + s * x_stride;
 #pragma GCC unroll 24
     for (int m = 0; m < MR; ++m) {
-      const __m512 x = _mm512_set1_ps(a[m]);
+      const simd::Vec x = simd::broadcast(a[m]);
 #pragma GCC unroll 4
-      for (int j = 0; j < NR; ++j) acc[m][j] = _mm512_fmadd_ps(x, w[j], acc[m][j]);
+      for (int j = 0; j < NR; ++j) acc[m][j] = simd::fmadd(x, w[j], acc[m][j]);
     }
   }
 #pragma GCC unroll 24
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
-    for (int j = 0; j < NR; ++j) _mm512_mask_storeu_ps(y + m * n + j * kLanes, mask[j], acc[m][j]);
+    for (int j = 0; j < NR; ++j) simd::store(y + m * n + j * kLanes, mask[j], acc[m][j]);
 }
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, bool, bool, float*, int64_t, int64_t);
@@ -100,9 +104,9 @@ template <int NR, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
   return {&micro_tile<MR + 1, NR>...};
 }
-// kTiles[NR − 1][MR − 1]: 1 … 24 rows over one panel; 1 … 6 rows over 2 … 4 (fewer than four: the last panels of a
-// call); the rest unused
-constexpr int kMaxRowsOverPanels = kMaxAccumulators / kMaxPanels;
+// kTiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel; 1 … kMaxRowsOverPanels rows over 2 … 4 (fewer
+// than four: the last panels of a call); the rest unused
+constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
 const std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels> kTiles = [] {
   std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels> tiles{};
   const auto t1 = tiles_of<1>(std::make_integer_sequence<int, kMaxAccumulators>{});
@@ -124,7 +128,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(panels == (n + kLanes - 1) / kLanes, "fp32 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int nr = m >= kOneStreamRows && m <= kMaxAccumulators ? 1 : kMaxPanels;
+  const int nr = m < kOneStreamRows ? kFewRowPanels : m <= kMaxAccumulators ? 1 : kWidePanels;
   const int64_t max_rows = kMaxAccumulators / nr, row_tiles = (m + max_rows - 1) / max_rows;
   // k-major inputs, a k-step's inputs of a tile side by side: [K, M] for one tile, else [tiles][K][max_rows] (the
   // last tile padded with zero rows)
@@ -154,9 +158,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
         const float* b = bias->data_ptr<float>() + col;
         for (int64_t r = 0; r < m; ++r)
           for (int64_t c = 0; c < width; c += kLanes) {
-            const __mmask16 mask = width - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (width - c)) - 1);
+            const simd::Mask mask = simd::lane_mask(width - c);
             float* dst = out + r * n + col + c;
-            _mm512_mask_storeu_ps(dst, mask, _mm512_add_ps(_mm512_maskz_loadu_ps(mask, dst), _mm512_maskz_loadu_ps(mask, b + c)));
+            simd::store(dst, mask, simd::add(simd::load(mask, dst), simd::load(mask, b + c)));
           }
       }
     }

@@ -1,21 +1,21 @@
-// The elementwise steps between a decoder layer's matrix products, AVX-512: RMSNorm (after the residual add, in
-// one pass) and SwiGLU's silu(gate) · up. PyTorch runs each as several ops of ~10–30 µs at one row
-// (a 1.5B int8 forward spent ~3 ms of its ~37 in them); here each is one call per layer.
+// The elementwise steps between a decoder layer's matrix products (AVX-512, or AVX2 with FMA: simd.h): RMSNorm
+// (after the residual add, in one pass) and SwiGLU's silu(gate) · up. PyTorch runs each as several ops of ~10–30 µs
+// at one row (a 1.5B int8 forward spent ~3 ms of its ~37 in them); here each is one call per layer.
 // Every row is computed on its own in a fixed order, so its result never depends on the other rows.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <tuple>
 
-#include "vector_math.h"
+#include "simd.h"
 
 namespace {
 
-using specdec::kLanes;
-using specdec::lane_mask;
+namespace simd = specdec::simd;
+using simd::kLanes;
+using simd::lane_mask;
 
 constexpr int64_t kSwigluPiece = 1024;  // columns: a multiple of kLanes
 
@@ -26,16 +26,16 @@ torch::Tensor rows_of(const torch::Tensor& x, const char* what) {
 
 // out = x · (1 / sqrt(mean(x²) + eps)) · weight, as PyTorch's rms_norm (the sum of squares in 16 lanes, then across)
 void norm_row(const float* x, const float* weight, int64_t h, float eps, float* out) {
-  __m512 squares = _mm512_setzero_ps();
+  simd::Vec squares = simd::zero();
   for (int64_t c = 0; c < h; c += kLanes) {
-    const __m512 v = _mm512_maskz_loadu_ps(lane_mask(h - c), x + c);
-    squares = _mm512_fmadd_ps(v, v, squares);
+    const simd::Vec v = simd::load(lane_mask(h - c), x + c);
+    squares = simd::fmadd(v, v, squares);
   }
-  const __m512 inv_rms = _mm512_set1_ps(1.0f / std::sqrt(_mm512_reduce_add_ps(squares) / static_cast<float>(h) + eps));
+  const simd::Vec inv_rms = simd::broadcast(1.0f / std::sqrt(simd::reduce_add(squares) / static_cast<float>(h) + eps));
   for (int64_t c = 0; c < h; c += kLanes) {
-    const __mmask16 m = lane_mask(h - c);
-    const __m512 v = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + c), inv_rms);
-    _mm512_mask_storeu_ps(out + c, m, _mm512_mul_ps(v, _mm512_maskz_loadu_ps(m, weight + c)));
+    const simd::Mask m = lane_mask(h - c);
+    const simd::Vec v = simd::mul(simd::load(m, x + c), inv_rms);
+    simd::store(out + c, m, simd::mul(v, simd::load(m, weight + c)));
   }
 }
 
@@ -70,9 +70,8 @@ std::tuple<torch::Tensor, torch::Tensor> add_rms_norm(torch::Tensor x, torch::Te
   at::parallel_for(0, t, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       for (int64_t c = 0; c < h; c += kLanes) {
-        const __mmask16 m = lane_mask(h - c);
-        _mm512_mask_storeu_ps(s + r * h + c, m, _mm512_add_ps(_mm512_maskz_loadu_ps(m, a + r * h + c),
-                                                              _mm512_maskz_loadu_ps(m, b + r * h + c)));
+        const simd::Mask m = lane_mask(h - c);
+        simd::store(s + r * h + c, m, simd::add(simd::load(m, a + r * h + c), simd::load(m, b + r * h + c)));
       }
       norm_row(s + r * h, w, h, static_cast<float>(eps), o + r * h);
     }
@@ -89,7 +88,7 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
   auto out = torch::empty({t, inner}, rows.options());
   const float* in = rows.data_ptr<float>();
   float* o = out.data_ptr<float>();
-  const __m512 one = _mm512_set1_ps(1.0f);
+  const simd::Vec one = simd::broadcast(1.0f);
   // pieces of kSwigluPiece columns of a row, so that both threads share even one row's work (one row of the 1.5B:
   // 5.2 µs a call on one thread, hot; 4 rows 14.3 µs)
   const int64_t pieces = (inner + kSwigluPiece - 1) / kSwigluPiece;
@@ -98,13 +97,11 @@ torch::Tensor swiglu(torch::Tensor gate_up) {
       const int64_t r = task / pieces, first = task % pieces * kSwigluPiece;
       const float *gate = in + r * 2 * inner, *up = gate + inner;
       for (int64_t c = first; c < std::min(inner, first + kSwigluPiece); c += kLanes) {
-        const __mmask16 m = lane_mask(inner - c);
-        const __m512 g = _mm512_maskz_loadu_ps(m, gate + c);
-        const __m512 e = specdec::exp_nonpositive(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
-        const __m512 numerator = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_GE_OQ), e, one);
-        const __m512 sigmoid = _mm512_div_ps(numerator, _mm512_add_ps(one, e));
-        _mm512_mask_storeu_ps(o + r * inner + c, m,
-                              _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), _mm512_maskz_loadu_ps(m, up + c)));
+        const simd::Mask m = lane_mask(inner - c);
+        const simd::Vec g = simd::load(m, gate + c);
+        const simd::Vec e = simd::exp_nonpositive(simd::sub(simd::zero(), simd::abs(g)));
+        const simd::Vec sigmoid = simd::div(simd::select(simd::non_negative(g), one, e), simd::add(one, e));
+        simd::store(o + r * inner + c, m, simd::mul(simd::mul(g, sigmoid), simd::load(m, up + c)));
       }
     }
   });

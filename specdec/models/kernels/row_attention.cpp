@@ -1,4 +1,5 @@
-// Attention for the few new tokens of a decode or verification step, every row on its own, AVX-512: RoPE, the
+// Attention for the few new tokens of a decode or verification step, every row on its own, AVX-512 or AVX2 with FMA
+// (simd.h: the same bits on either; the tiles below are sized to each one's registers): RoPE, the
 // KV-cache write and the attention of a layer in one call (one call per layer and sequence replaces a dozen
 // PyTorch ops and an attention call per row).
 //
@@ -21,34 +22,38 @@
 // its transposition of 64 keys cost more at 2–4 rows: not kept.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
 #include <omp.h>
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <utility>
 #include <vector>
 
-#include "vector_math.h"
+#include "simd.h"
 
 namespace {
 
-using specdec::exp_nonpositive;
-using specdec::kLanes;
-using specdec::lane_mask;
+namespace simd = specdec::simd;
+using simd::exp_nonpositive;
+using simd::kLanes;
+using simd::lane_mask;
 
-constexpr int kChunks = 8;            // zmm per block of a head's dimensions (≤ 128 floats)
+constexpr int kChunks = 8;            // vectors per block of a head's dimensions (≤ 128 floats)
 constexpr int kKeyBlock = 16;         // keys lane-summed together
-constexpr int kTileKeys = 4;          // keys × heads of a scoring tile: ≤ 24 accumulators, + the heads' query chunks
-constexpr int kTileHeads = 6;
+// keys × heads of a scoring tile: ≤ 24 accumulators, + the heads' query chunks (AVX2: 4 vectors of two ymm)
+constexpr int kTileKeys = simd::kWide ? 4 : 2;
+constexpr int kTileHeads = simd::kWide ? 6 : 2;
 // Values are folded by tiles of heads × zmm of dimensions. An item of one row (plain decoding) takes 3 heads × 8
 // zmm, whole value rows, which stream from memory in order (one row at context 1024, cold: 6–27% faster than the
 // 6 × 4 tile over four runs); items of several rows take 6 heads × 4 zmm (24 accumulators + 4 values, no spill;
-// 0–13% faster than 3 × 8 at 16 rows). Each output is the same chain of fused multiply-adds in either tile.
-constexpr int kRowValueHeads = 3, kRowValueChunks = 8;
-constexpr int kBlockValueHeads = 6, kBlockValueChunks = 4;
+// 0–13% faster than 3 × 8 at 16 rows). AVX2 takes 2 heads × 2 vectors for both. Each output is the same chain of
+// fused multiply-adds in any tile.
+constexpr int kRowValueHeads = simd::kWide ? 3 : 2, kRowValueChunks = simd::kWide ? 8 : 2;
+constexpr int kBlockValueHeads = simd::kWide ? 6 : 2, kBlockValueChunks = simd::kWide ? 4 : 2;
 // Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1); items of several rows take
 // 64, half the accumulators' loads and stores between blocks (attention alone, 28 layers, context 1024, 8 / 16 rows:
 // 0.93–0.96 of the time with 32, in three runs; one row: 0.81–1.08, no clear gain, so it keeps 32)
@@ -58,7 +63,8 @@ constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 64;
 // of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one
 // row alone keeps partial_scores (transposing for six queries cost more: 4.98 against 4.25 ms at context 1024).
 constexpr int kTransposedMinRows = 2;
-constexpr int kTransposedQueries = 4;  // queries per tile: 2 × 4 chains + the tree's partial sums + 2 key rows
+// queries per tile: 2 chains each + the tree's partial sums + 2 key rows (AVX2: one query, 7 vectors of two ymm)
+constexpr int kTransposedQueries = simd::kWide ? 4 : 1;
 // Every item prefetches the next block of cached keys (values) into L2 while it scores (folds) one, a few lines at
 // each step of the arithmetic (Prefetcher). A block's lines prefetched at once stall the loads queued behind them
 // until memory answers, so the stream hardly overlapped the arithmetic: from memory an item cost about its time in
@@ -95,33 +101,30 @@ class Prefetcher {
   int64_t rate_ = 0, credit_ = 0;
 };
 
-// a zmm of floats; masked only where the head dimension is not a whole number of blocks
+// a vector of floats; masked only where the head dimension is not a whole number of blocks
 template <bool MASKED>
-__m512 load(__mmask16 mask, const float* p) {
-  if constexpr (MASKED) return _mm512_maskz_loadu_ps(mask, p);
-  return _mm512_loadu_ps(p);
+simd::Vec load(simd::Mask mask, const float* p) {
+  if constexpr (MASKED) return simd::load(mask, p);
+  return simd::load(p);
 }
 
 // Sixteen vectors' lane sums in one vector (lane t: the sum of v[t]), each by the same addition tree whatever its
 // slot: pairs within 128-bit quarters, then the quarter, then the quarters pairwise (transposed_scores adds the
 // lanes by this same tree: a change here is a change there)
-__m512 lane_sums(const float* partial) {
-  __m512 v[kLanes], x[8], y[4];
+simd::Vec lane_sums(const float* partial) {
+  simd::Vec v[kLanes], x[8], y[4];
 #pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) v[i] = _mm512_load_ps(partial + i * kLanes);
+  for (int i = 0; i < kLanes; ++i) v[i] = simd::load(partial + i * kLanes);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i)
-    x[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    x[i] = simd::add(simd::unpack_low(v[2 * i], v[2 * i + 1]), simd::unpack_high(v[2 * i], v[2 * i + 1]));
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i)
-    y[i] = _mm512_add_ps(_mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(x[2 * i], x[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m512 u0 = _mm512_add_ps(_mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(y[0], y[1], _MM_SHUFFLE(3, 1, 3, 1)));
-  const __m512 u1 = _mm512_add_ps(_mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(2, 0, 2, 0)),
-                                  _mm512_shuffle_f32x4(y[2], y[3], _MM_SHUFFLE(3, 1, 3, 1)));
-  return _mm512_add_ps(_mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm512_shuffle_f32x4(u0, u1, _MM_SHUFFLE(3, 1, 3, 1)));
+    y[i] = simd::add(simd::shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(x[2 * i], x[2 * i + 1]),
+                     simd::shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(x[2 * i], x[2 * i + 1]));
+  const simd::Vec u0 = simd::add(simd::even_quarters(y[0], y[1]), simd::odd_quarters(y[0], y[1]));
+  const simd::Vec u1 = simd::add(simd::even_quarters(y[2], y[3]), simd::odd_quarters(y[2], y[3]));
+  return simd::add(simd::even_quarters(u0, u1), simd::odd_quarters(u0, u1));
 }
 
 // partial[h][t] (sixteen floats each) = q_h · k_t folded per lane over the dimensions in order (fused
@@ -130,66 +133,66 @@ template <int HEADS, int CHUNKS, bool MASKED>
 void partial_scores(const float* q, int64_t d, const float* const* key, float* partial, Prefetcher& prefetcher) {
   Prefetcher ahead = prefetcher;  // a local copy stays in registers across the loop
   for (int t0 = 0; t0 < kKeyBlock; t0 += kTileKeys) {
-    __m512 acc[HEADS][kTileKeys];
+    simd::Vec acc[HEADS][kTileKeys];
 #pragma GCC unroll 6
     for (int h = 0; h < HEADS; ++h)
 #pragma GCC unroll 4
-      for (int t = 0; t < kTileKeys; ++t) acc[h][t] = _mm512_setzero_ps();
+      for (int t = 0; t < kTileKeys; ++t) acc[h][t] = simd::zero();
     for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) {
         ahead.step();
         const int64_t offset = base + c * kLanes;
-        const __mmask16 mask = lane_mask(d - offset);
-        __m512 qv[HEADS];
+        const simd::Mask mask = lane_mask(d - offset);
+        simd::Vec qv[HEADS];
 #pragma GCC unroll 6
         for (int h = 0; h < HEADS; ++h) qv[h] = load<MASKED>(mask, q + h * d + offset);
 #pragma GCC unroll 4
         for (int t = 0; t < kTileKeys; ++t) {
-          const __m512 kv = load<MASKED>(mask, key[t0 + t] + offset);
+          const simd::Vec kv = load<MASKED>(mask, key[t0 + t] + offset);
 #pragma GCC unroll 6
-          for (int h = 0; h < HEADS; ++h) acc[h][t] = _mm512_fmadd_ps(qv[h], kv, acc[h][t]);
+          for (int h = 0; h < HEADS; ++h) acc[h][t] = simd::fmadd(qv[h], kv, acc[h][t]);
         }
       }
     }
 #pragma GCC unroll 6
     for (int h = 0; h < HEADS; ++h)
 #pragma GCC unroll 4
-      for (int t = 0; t < kTileKeys; ++t) _mm512_store_ps(partial + (h * kKeyBlock + t0 + t) * kLanes, acc[h][t]);
+      for (int t = 0; t < kTileKeys; ++t) simd::store(partial + (h * kKeyBlock + t0 + t) * kLanes, acc[h][t]);
   }
   prefetcher = ahead;
 }
 
 // kt [CHUNKS · 16][16]: sixteen keys (key[t] + offset …, sixteen floats of each) transposed, dimension-major, so
-// that a zmm holds one dimension of all sixteen keys
+// that a vector holds one dimension of all sixteen keys
 void transpose_keys(const float* const* key, int64_t offset, float* kt) {
-  __m512 r[kLanes], t[kLanes], u[kLanes];
+  simd::Vec r[kLanes], t[kLanes], u[kLanes];
 #pragma GCC unroll 16
-  for (int i = 0; i < kLanes; ++i) r[i] = _mm512_loadu_ps(key[i] + offset);
+  for (int i = 0; i < kLanes; ++i) r[i] = simd::load(key[i] + offset);
 #pragma GCC unroll 8
   for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_ps(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_ps(r[2 * i], r[2 * i + 1]);
+    t[2 * i] = simd::unpack_low(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = simd::unpack_high(r[2 * i], r[2 * i + 1]);
   }
 #pragma GCC unroll 4
   for (int i = 0; i < 4; ++i) {  // keys 4i … 4i + 3: dimensions c, c + 4, c + 8, c + 12 of u[4i + c]
-    u[4 * i] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 1] = _mm512_shuffle_ps(t[4 * i], t[4 * i + 2], _MM_SHUFFLE(3, 2, 3, 2));
-    u[4 * i + 2] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(1, 0, 1, 0));
-    u[4 * i + 3] = _mm512_shuffle_ps(t[4 * i + 1], t[4 * i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+    u[4 * i] = simd::shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 1] = simd::shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[4 * i], t[4 * i + 2]);
+    u[4 * i + 2] = simd::shuffle<_MM_SHUFFLE(1, 0, 1, 0)>(t[4 * i + 1], t[4 * i + 3]);
+    u[4 * i + 3] = simd::shuffle<_MM_SHUFFLE(3, 2, 3, 2)>(t[4 * i + 1], t[4 * i + 3]);
   }
   // keys 8h … 8h + 7: dimensions c, c + 8 of t[8h + c], and c + 4, c + 12 of t[8h + 4 + c]
 #pragma GCC unroll 2
   for (int h = 0; h < 2; ++h)
 #pragma GCC unroll 4
     for (int c = 0; c < 4; ++c) {
-      t[8 * h + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], _MM_SHUFFLE(2, 0, 2, 0));
-      t[8 * h + 4 + c] = _mm512_shuffle_f32x4(u[8 * h + c], u[8 * h + 4 + c], _MM_SHUFFLE(3, 1, 3, 1));
+      t[8 * h + c] = simd::even_quarters(u[8 * h + c], u[8 * h + 4 + c]);
+      t[8 * h + 4 + c] = simd::odd_quarters(u[8 * h + c], u[8 * h + 4 + c]);
     }
 #pragma GCC unroll 8
   for (int c = 0; c < 8; ++c) {  // all sixteen keys: dimensions c and c + 8
-    _mm512_store_ps(kt + c * kLanes, _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(2, 0, 2, 0)));
-    _mm512_store_ps(kt + (c + 8) * kLanes, _mm512_shuffle_f32x4(t[c], t[8 + c], _MM_SHUFFLE(3, 1, 3, 1)));
+    simd::store(kt + c * kLanes, simd::even_quarters(t[c], t[8 + c]));
+    simd::store(kt + (c + 8) * kLanes, simd::odd_quarters(t[c], t[8 + c]));
   }
 }
 
@@ -200,40 +203,40 @@ void transpose_keys(const float* const* key, int64_t offset, float* kt) {
 template <int QUERIES, int CHUNKS>
 void transposed_scores(const float* const* q, const float* kt, float scale, float* const* out, Prefetcher& prefetcher) {
   Prefetcher ahead = prefetcher;  // a local copy stays in registers across the loop
-  __m512 quarters[QUERIES][2];  // the tree's (quarter 0 + 1) and quarter 2
+  simd::Vec quarters[QUERIES][2];  // the tree's (quarter 0 + 1) and quarter 2
 #pragma GCC unroll 4
   for (int quarter = 0; quarter < 4; ++quarter) {
-    __m512 pairs[QUERIES];
+    simd::Vec pairs[QUERIES];
 #pragma GCC unroll 2
     for (int pair = 0; pair < 2; ++pair) {
       ahead.step();
       const int la = 4 * quarter + pair, lb = la + 2;  // the tree adds lanes l and l + 2 first
-      __m512 a[QUERIES], b[QUERIES];
+      simd::Vec a[QUERIES], b[QUERIES];
 #pragma GCC unroll 6
-      for (int g = 0; g < QUERIES; ++g) a[g] = b[g] = _mm512_setzero_ps();
+      for (int g = 0; g < QUERIES; ++g) a[g] = b[g] = simd::zero();
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) {
-        const __m512 ka = _mm512_load_ps(kt + (c * kLanes + la) * kLanes);
-        const __m512 kb = _mm512_load_ps(kt + (c * kLanes + lb) * kLanes);
+        const simd::Vec ka = simd::load(kt + (c * kLanes + la) * kLanes);
+        const simd::Vec kb = simd::load(kt + (c * kLanes + lb) * kLanes);
 #pragma GCC unroll 6
         for (int g = 0; g < QUERIES; ++g) {
-          a[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][c * kLanes + la]), ka, a[g]);
-          b[g] = _mm512_fmadd_ps(_mm512_set1_ps(q[g][c * kLanes + lb]), kb, b[g]);
+          a[g] = simd::fmadd(simd::broadcast(q[g][c * kLanes + la]), ka, a[g]);
+          b[g] = simd::fmadd(simd::broadcast(q[g][c * kLanes + lb]), kb, b[g]);
         }
       }
 #pragma GCC unroll 6
       for (int g = 0; g < QUERIES; ++g) {
-        const __m512 sum = _mm512_add_ps(a[g], b[g]);
-        pairs[g] = pair == 0 ? sum : _mm512_add_ps(pairs[g], sum);
+        const simd::Vec sum = simd::add(a[g], b[g]);
+        pairs[g] = pair == 0 ? sum : simd::add(pairs[g], sum);
       }
     }
 #pragma GCC unroll 6
     for (int g = 0; g < QUERIES; ++g) {
       if (quarter == 0 || quarter == 2) quarters[g][quarter / 2] = pairs[g];
-      else if (quarter == 1) quarters[g][0] = _mm512_add_ps(quarters[g][0], pairs[g]);
+      else if (quarter == 1) quarters[g][0] = simd::add(quarters[g][0], pairs[g]);
       else {
-        const __m512 total = _mm512_add_ps(quarters[g][0], _mm512_add_ps(quarters[g][1], pairs[g]));
-        _mm512_storeu_ps(out[g], _mm512_mul_ps(total, _mm512_set1_ps(scale)));
+        const simd::Vec total = simd::add(quarters[g][0], simd::add(quarters[g][1], pairs[g]));
+        simd::store(out[g], simd::mul(total, simd::broadcast(scale)));
       }
     }
   }
@@ -248,49 +251,49 @@ void fold_values(const float* p, int64_t stride, const float* value, int64_t cou
                  float* out, Prefetcher& prefetcher) {
   Prefetcher ahead = prefetcher;  // a local copy stays in registers across the loop
   for (int64_t base = 0; base < d; base += CHUNKS * kLanes) {
-    __mmask16 masks[CHUNKS];
-    __m512 acc[HEADS][CHUNKS];
+    simd::Mask masks[CHUNKS];
+    simd::Vec acc[HEADS][CHUNKS];
 #pragma GCC unroll 8
     for (int c = 0; c < CHUNKS; ++c) {
       masks[c] = lane_mask(d - base - c * kLanes);
 #pragma GCC unroll 6
       for (int h = 0; h < HEADS; ++h)
-        acc[h][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(masks[c], out + h * d + base + c * kLanes);
+        acc[h][c] = first ? simd::zero() : simd::load(masks[c], out + h * d + base + c * kLanes);
     }
     const float* v = value + base;
     for (int64_t j = 0; j < count; ++j, v += d) {
       ahead.step();
-      __m512 vv[CHUNKS];
+      simd::Vec vv[CHUNKS];
 #pragma GCC unroll 8
       for (int c = 0; c < CHUNKS; ++c) vv[c] = load<MASKED>(masks[c], v + c * kLanes);
 #pragma GCC unroll 6
       for (int h = 0; h < HEADS; ++h) {
-        const __m512 ph = _mm512_set1_ps(p[h * stride + j]);
+        const simd::Vec ph = simd::broadcast(p[h * stride + j]);
 #pragma GCC unroll 8
-        for (int c = 0; c < CHUNKS; ++c) acc[h][c] = _mm512_fmadd_ps(ph, vv[c], acc[h][c]);
+        for (int c = 0; c < CHUNKS; ++c) acc[h][c] = simd::fmadd(ph, vv[c], acc[h][c]);
       }
     }
 #pragma GCC unroll 6
     for (int h = 0; h < HEADS; ++h)
 #pragma GCC unroll 8
-      for (int c = 0; c < CHUNKS; ++c) _mm512_mask_storeu_ps(out + h * d + base + c * kLanes, masks[c], acc[h][c]);
+      for (int c = 0; c < CHUNKS; ++c) simd::store(out + h * d + base + c * kLanes, masks[c], acc[h][c]);
   }
   prefetcher = ahead;
 }
 
 // p = exp(s − max s) in place over s[0, length); returns 1 / Σ p
 float softmax_numerators(float* s, int64_t length) {
-  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int64_t j = 0; j < length; j += kLanes) vmax = _mm512_max_ps(vmax, _mm512_mask_loadu_ps(vmax, lane_mask(length - j), s + j));
-  const __m512 smax = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
-  __m512 vsum = _mm512_setzero_ps();
+  simd::Vec vmax = simd::broadcast(-std::numeric_limits<float>::infinity());
+  for (int64_t j = 0; j < length; j += kLanes) vmax = simd::max(vmax, simd::load(lane_mask(length - j), vmax, s + j));
+  const simd::Vec smax = simd::broadcast(simd::reduce_max(vmax));
+  simd::Vec vsum = simd::zero();
   for (int64_t j = 0; j < length; j += kLanes) {
-    const __mmask16 m = lane_mask(length - j);
-    const __m512 e = _mm512_maskz_mov_ps(m, exp_nonpositive(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + j), smax)));
-    _mm512_mask_storeu_ps(s + j, m, e);
-    vsum = _mm512_add_ps(vsum, e);
+    const simd::Mask m = lane_mask(length - j);
+    const simd::Vec e = simd::keep(m, exp_nonpositive(simd::sub(simd::load(m, s + j), smax)));
+    simd::store(s + j, m, e);
+    vsum = simd::add(vsum, e);
   }
-  return 1.0f / _mm512_reduce_add_ps(vsum);
+  return 1.0f / simd::reduce_add(vsum);
 }
 
 // x [heads, D] rotated by RoPE into out: x · cos + rotate_half(x) · sin, each product rounded and then summed, as
@@ -314,23 +317,31 @@ struct ValueTiling {
   const FoldValues* folds;  // [heads]: the tile of h + 1 heads
 };
 
+// the tiles of 1 … sizeof...(N) heads (queries)
+template <int CHUNKS, bool MASKED, int... N>
+constexpr std::array<PartialScores, sizeof...(N)> score_tiles(std::integer_sequence<int, N...>) {
+  return {&partial_scores<N + 1, CHUNKS, MASKED>...};
+}
+template <int CHUNKS, int... N>
+constexpr std::array<TransposedScores, sizeof...(N)> transposed_tiles(std::integer_sequence<int, N...>) {
+  return {&transposed_scores<N + 1, CHUNKS>...};
+}
+template <int CHUNKS, bool MASKED, int... N>
+constexpr std::array<FoldValues, sizeof...(N)> fold_tiles(std::integer_sequence<int, N...>) {
+  return {&fold_values<N + 1, CHUNKS, MASKED>...};
+}
+
 template <int CHUNKS, bool MASKED>
 struct Kernels {
-  static constexpr PartialScores scores[kTileHeads] = {
-      &partial_scores<1, CHUNKS, MASKED>, &partial_scores<2, CHUNKS, MASKED>, &partial_scores<3, CHUNKS, MASKED>,
-      &partial_scores<4, CHUNKS, MASKED>, &partial_scores<5, CHUNKS, MASKED>, &partial_scores<6, CHUNKS, MASKED>};
+  static constexpr auto scores = score_tiles<CHUNKS, MASKED>(std::make_integer_sequence<int, kTileHeads>{});
   static constexpr int kRowChunks = std::min(CHUNKS, kRowValueChunks);
   static constexpr int kBlockChunks = std::min(CHUNKS, kBlockValueChunks);
-  static constexpr FoldValues row_values[kRowValueHeads] = {
-      &fold_values<1, kRowChunks, MASKED>, &fold_values<2, kRowChunks, MASKED>, &fold_values<3, kRowChunks, MASKED>};
-  static constexpr TransposedScores transposed[kTransposedQueries] = {
-      &transposed_scores<1, CHUNKS>, &transposed_scores<2, CHUNKS>, &transposed_scores<3, CHUNKS>,
-      &transposed_scores<4, CHUNKS>};
-  static constexpr FoldValues block_values[kBlockValueHeads] = {
-      &fold_values<1, kBlockChunks, MASKED>, &fold_values<2, kBlockChunks, MASKED>, &fold_values<3, kBlockChunks, MASKED>,
-      &fold_values<4, kBlockChunks, MASKED>, &fold_values<5, kBlockChunks, MASKED>, &fold_values<6, kBlockChunks, MASKED>};
-  static constexpr ValueTiling row_tiling{kRowValueHeads, kRowChunks, kRowValueBlock, row_values};
-  static constexpr ValueTiling block_tiling{kBlockValueHeads, kBlockChunks, kBlockValueBlock, block_values};
+  static constexpr auto row_values = fold_tiles<kRowChunks, MASKED>(std::make_integer_sequence<int, kRowValueHeads>{});
+  static constexpr auto transposed = transposed_tiles<CHUNKS>(std::make_integer_sequence<int, kTransposedQueries>{});
+  static constexpr auto block_values =
+      fold_tiles<kBlockChunks, MASKED>(std::make_integer_sequence<int, kBlockValueHeads>{});
+  static constexpr ValueTiling row_tiling{kRowValueHeads, kRowChunks, kRowValueBlock, row_values.data()};
+  static constexpr ValueTiling block_tiling{kBlockValueHeads, kBlockChunks, kBlockValueBlock, block_values.data()};
 };
 
 // A thread's working memory, kept across its items and grown as needed, never initialized: each item writes what it
@@ -431,8 +442,8 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
         const int tile = static_cast<int>(std::min<int64_t>(kTileHeads, group - h0));
         K::scores[tile - 1](qr + h0 * d, d, pointers, partial, ahead_keys);
         for (int h = 0; h < tile; ++h)
-          _mm512_mask_storeu_ps(sr + (h0 + h) * stride + j0, lane_mask(length - j0),
-                                _mm512_mul_ps(lane_sums(partial + h * kKeyBlock * kLanes), _mm512_set1_ps(scale)));
+          simd::store(sr + (h0 + h) * stride + j0, lane_mask(length - j0),
+                      simd::mul(lane_sums(partial + h * kKeyBlock * kLanes), simd::broadcast(scale)));
       }
     }
   }
@@ -469,10 +480,10 @@ void attend_item(const Rows& rows, int64_t r0, int64_t r1, int64_t kvh, int64_t 
   for (int64_t r = r0; r < r1; ++r) {
     float* orow = out + (r * heads + kvh * group) * d;
     for (int64_t g = 0; g < group; ++g) {
-      const __m512 inv = _mm512_set1_ps(inverses[(r - r0) * group + g]);
+      const simd::Vec inv = simd::broadcast(inverses[(r - r0) * group + g]);
       for (int64_t c = 0; c < d; c += kLanes) {
-        const __mmask16 m = lane_mask(d - c);
-        _mm512_mask_storeu_ps(orow + g * d + c, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, orow + g * d + c), inv));
+        const simd::Mask m = lane_mask(d - c);
+        simd::store(orow + g * d + c, m, simd::mul(simd::load(m, orow + g * d + c), inv));
       }
     }
   }
