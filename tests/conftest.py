@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from specdec.bench.tiny import build_tiny_model, perturbed_copy
+from specdec.models.batch import ForwardBatch, SequenceInput
 
 
 @pytest.fixture(scope="session")
@@ -108,3 +109,19 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
         assert observed[-1] == 0, "tokens the target gives probability 0 were generated"
         observed, expected = observed[:-1], expected[:-1]
     return float(chisquare(observed.numpy(), expected.numpy() * observed.sum().item() / expected.sum().item()).pvalue)
+
+
+def prefill_chain_tree_logits(decoder) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The logits of a prefill of 17 tokens, a chain verification of 5 after it, and a tree of 4 in its place: every
+    path a forward of the decoder's kernels takes."""
+    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
+    cache = decoder.new_kv_cache(1, 64)
+    slot = cache.allocate()
+    prefill = decoder.forward(ForwardBatch.build([SequenceInput(slot, list(range(3, 20)))], [0]), cache)
+    chain = decoder.forward(ForwardBatch.build([SequenceInput(slot, [7, 8, 9, 10, 11])], [17]), cache)
+    cache.truncate(slot, 17)
+    mask = torch.cat((torch.ones(4, 17, dtype=torch.bool), tree), dim=1)
+    branch = decoder.forward(
+        ForwardBatch.build([SequenceInput(slot, [5, 6, 7, 8], positions=[17, 18, 18, 19], mask=mask)], [17]), cache
+    )
+    return prefill.logits, chain.logits, branch.logits

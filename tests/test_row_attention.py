@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import prefill_chain_tree_logits
 from specdec.models import kernels
-from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import apply_rope
 from specdec.models.loader import load_decoder
 
@@ -124,19 +124,9 @@ def test_decoder_with_the_kernel_agrees_with_pytorch_attention(fixture, request)
     """The same forwards (prefill, chain verification, a tree) with the kernel and with PyTorch's per-row calls."""
     decoder = load_decoder(request.getfixturevalue(fixture))
     assert decoder.row_attention is not None
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     logits = {}
     for name, attention in (("kernel", decoder.row_attention), ("pytorch", None)):
         decoder.row_attention = attention
-        cache = decoder.new_kv_cache(1, 64)
-        slot = cache.allocate()
-        prefill = decoder.forward(ForwardBatch.build([SequenceInput(slot, list(range(3, 20)))], [0]), cache)
-        chain = decoder.forward(ForwardBatch.build([SequenceInput(slot, [7, 8, 9, 10, 11])], [17]), cache)
-        cache.truncate(slot, 17)
-        mask = torch.cat((torch.ones(4, 17, dtype=torch.bool), tree), dim=1)
-        branch = decoder.forward(
-            ForwardBatch.build([SequenceInput(slot, [5, 6, 7, 8], positions=[17, 18, 18, 19], mask=mask)], [17]), cache
-        )
-        logits[name] = (prefill.logits, chain.logits, branch.logits)
+        logits[name] = prefill_chain_tree_logits(decoder)
     for kernel_logits, pytorch_logits in zip(logits["kernel"], logits["pytorch"]):
         torch.testing.assert_close(kernel_logits, pytorch_logits, atol=1e-4, rtol=1e-4)

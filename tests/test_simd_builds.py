@@ -12,8 +12,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import prefill_chain_tree_logits
 from specdec.models import kernels
-from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.linear import PanelLinear
 from specdec.models.loader import load_decoder
 
@@ -89,22 +89,12 @@ def test_decoder_forwards_are_bitwise_alike(tiny_qwen):
     decoder = load_decoder(tiny_qwen)
     linears = [getattr(layer, name) for layer in decoder.layers for name in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(linear, PanelLinear) for linear in linears + [decoder.lm_head])
-    tree = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)
     logits = []
     for isa in kernels.FLOAT32_ISAS:
         for linear in linears + [decoder.lm_head]:
             linear.kernel = kernels.fp32_linear(isa)
         decoder.row_attention, decoder.norm_swiglu = kernels.row_attention(isa), kernels.norm_swiglu(isa)
-        cache = decoder.new_kv_cache(1, 64)
-        slot = cache.allocate()
-        prefill = decoder.forward(ForwardBatch.build([SequenceInput(slot, list(range(3, 20)))], [0]), cache)
-        chain = decoder.forward(ForwardBatch.build([SequenceInput(slot, [7, 8, 9, 10, 11])], [17]), cache)
-        cache.truncate(slot, 17)
-        mask = torch.cat((torch.ones(4, 17, dtype=torch.bool), tree), dim=1)
-        branch = decoder.forward(
-            ForwardBatch.build([SequenceInput(slot, [5, 6, 7, 8], positions=[17, 18, 18, 19], mask=mask)], [17]), cache
-        )
-        logits.append((prefill.logits, chain.logits, branch.logits))
+        logits.append(prefill_chain_tree_logits(decoder))
     for wide, narrow in zip(*logits):
         assert torch.equal(wide, narrow)
 
