@@ -153,7 +153,9 @@ def machine_fingerprint(device: torch.device | str = "cpu") -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
-    key = f"{cpu}|{os.cpu_count()}|{torch.get_num_threads()}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{kernels.runnable_isas()}"
+    isas = "+".join(isa.name for isa in kernels.runnable_isas())
+    parts = (cpu, os.cpu_count(), torch.get_num_threads(), torch.__version__, torch.backends.cpu.get_cpu_capability(), isas)
+    key = "|".join(map(str, parts))
     if torch.device(device).type == "cuda":
         key += f"|{torch.cuda.get_device_name(device)}|{torch.version.cuda}"
     return hashlib.sha256(key.encode()).hexdigest()[:16]

@@ -75,7 +75,9 @@ class PanelLinear:
     (x: [rows, in]). Every output is one chain of fused multiply-adds in input order, whatever
     the rows and tiling, so a row's result is bitwise the same alone or with others (batch invariance, tested). For
     1–16 rows it reads the weights 1.1–1.4× faster than oneDNN's prepacked kernel, up to about what a plain sum
-    over the same memory reads; for prefill chunks it is ~10% slower than oneDNN (BENCHMARKS.md)."""
+    over the same memory reads; for prefill chunks it is ~10% slower than oneDNN. Its AVX2 build, with the AVX2
+    attention and norm kernels, made the 1.5B's float32 forwards at 1–16 rows 1.7–2.3× faster than oneDNN's AVX2
+    kernel with PyTorch's ops (an emulated AVX2 host; BENCHMARKS.md)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: kernels.Isa | None = None) -> None:
         self.kernel = kernels.fp32_linear(isa)

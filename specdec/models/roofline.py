@@ -17,10 +17,10 @@ import torch
 
 from specdec.models.decoder import Decoder
 from specdec.models.linear import (
-    PanelLinear,
     Int8Linear,
     Linear,
     OneDnnInt8Linear,
+    PanelLinear,
     can_run_int8,
     float32_linear,
     int8_linear,
