@@ -51,9 +51,9 @@ constexpr int kTileHeads = simd::kWide ? 6 : 2;
 // zmm, whole value rows, which stream from memory in order (one row at context 1024, cold: 6–27% faster than the
 // 6 × 4 tile over four runs); items of several rows take 6 heads × 4 zmm (24 accumulators + 4 values, no spill;
 // 0–13% faster than 3 × 8 at 16 rows). AVX2 takes 2 heads × 2 vectors for one row and 3 × 2 for several (12 ymm of
-// accumulators: 0.91–0.95 of the time of 2 × 2 at 2–16 rows, context 1024, and 0.95–0.96 at 4–16 rows, context 128;
-// 3 × 1 and 6 × 1 took 0.92–1.05, and one row neither gained nor lost with 3 × 2). Each output is the same chain of
-// fused multiply-adds in any tile.
+// accumulators: 0.87–0.98 of the time of 2 × 2 at 2–16 rows, context 1024, and 0.94–0.96 at 4–16 rows, context 128,
+// two runs; 3 × 1 and 6 × 1 took 0.92–1.08, and one row neither gained nor lost with 3 × 2). Each output is the same
+// chain of fused multiply-adds in any tile.
 constexpr int kRowValueHeads = simd::kWide ? 3 : 2, kRowValueChunks = simd::kWide ? 8 : 2;
 constexpr int kBlockValueHeads = simd::kWide ? 6 : 3, kBlockValueChunks = simd::kWide ? 4 : 2;
 // Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1); items of several rows take
