@@ -15,6 +15,7 @@
 // 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <cpuid.h>
 #include <immintrin.h>
 #include <array>
 #include <cmath>
@@ -42,13 +43,23 @@ constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several t
 // in two runs (16: 0.85–0.98 in three, 32: 0.80–0.88 in two, 48: 0.84–0.91 in one) and 0.99–1.00 at 8–12 rows,
 // whose chunks are in L2 already.
 constexpr int64_t kPrefetchSteps = 24;
-// Decode and verification calls of one to three rows leave their stream to the hardware prefetcher. On a Zen 4 host,
-// on 2 MiB pages, that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with the near and far prefetches
-// (the 1.5B's products, interleaved A/B in shuffled order, fast memory), and one row 0.90 of the time over the 1.5B's
-// products (slow memory), 0.82–0.84 over 256 MiB products (fast memory, where it then reads about as fast as a sum).
-// On a Zen 5 host 4 rows run 0.87–0.91 of the time with the near prefetch (the real 1.5B's forwards, shuffled A/B;
-// 0.89 over its products alone), 5 rows 0.96–1.01 and 1–3 rows 0.96–1.05: 4 rows and more keep it.
-constexpr int kHardwarePrefetchMaxRows = 3;
+// Decode and verification calls of up to hardware_prefetch_max_rows() rows leave their stream to the hardware
+// prefetcher. On a Zen 4 host, on 2 MiB pages, that took 0.76–0.92 (2 rows) and 0.85–0.95 (3 rows) of the time with
+// the near and far prefetches (the 1.5B's products, interleaved A/B in shuffled order, fast memory), one row 0.90 of
+// the time over the 1.5B's products (slow memory), 0.82–0.84 over 256 MiB products (fast memory, where it then reads
+// about as fast as a sum), and 4 rows 0.92–0.96 of the real 1.5B's forward time (paired shuffled rounds; 0.91–0.93
+// over its products alone), but 5–6 rows 1.00–1.08. On a Zen 5 host 4 rows run 0.87–0.91 of the time with the near
+// prefetch (the real 1.5B's forwards, shuffled A/B; 0.89 over its products alone), 5 rows 0.96–1.01 and 1–3 rows
+// 0.96–1.05: there 4 rows and more keep it, as on hosts not measured.
+int hardware_prefetch_max_rows() {
+  unsigned eax, ebx, ecx, edx;
+  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 3;
+  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
+  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
+  const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 20) & 0xFF);
+  return family == 0x19 ? 4 : 3;  // family 19h with AVX-512 VNNI (this kernel's): Zen 4
+}
+const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -124,12 +135,11 @@ struct Prefetch {
 
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
 // already in acc (kResume) or from zero
-template <int MR, bool kStepMajor, bool kResume>
+template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch>
 void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
-  constexpr bool kOwnPrefetch = kStepMajor && MR > kHardwarePrefetchMaxRows;
   __m512i acc[MR][kPanelZmm];
 #pragma GCC unroll 32
   for (int m = 0; m < MR; ++m)
@@ -163,15 +173,16 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
 
-template <bool kStepMajor, bool kResume, int... MR>
+template <bool kStepMajor, bool kResume, bool kOwnPrefetch, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, kStepMajor, kResume>...};
+  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch>...};
 }
-// tiles of 1 … 6 rows: all rows in one tile, k-step-major; several tiles, row-major, over a chunk's first k-step or
-// resuming their sums
-const auto kOneTile = tiles_of<true, false>(std::make_integer_sequence<int, kTileRows>{});
-const auto kChunkTiles = tiles_of<false, false>(std::make_integer_sequence<int, kTileRows>{});
-const auto kResumedChunkTiles = tiles_of<false, true>(std::make_integer_sequence<int, kTileRows>{});
+// tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile;
+// several tiles, row-major, over a chunk's first k-step or resuming their sums
+const auto kOneTile = tiles_of<true, false, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kOneTileOwnPrefetch = tiles_of<true, false, true>(std::make_integer_sequence<int, kTileRows>{});
+const auto kChunkTiles = tiles_of<false, false, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kResumedChunkTiles = tiles_of<false, true, false>(std::make_integer_sequence<int, kTileRows>{});
 
 // y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64]
 void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* colsum,
@@ -223,9 +234,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
       // a thread's own panels follow one another in memory: one stream
       const char* next_panel = own && nb + 1 < blocks ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
-      if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher up to 3 rows
+      if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher for few rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
-        kOneTile[m - 1](xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
+        (m > kHardwarePrefetchMaxRows ? kOneTileOwnPrefetch : kOneTile)[m - 1](xq.get(), row_stride, step_stride,
+                                                                                steps, panel, prefetch, acc);
         store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
         continue;
       }
