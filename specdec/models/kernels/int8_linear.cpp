@@ -224,6 +224,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
+  // all rows in one tile (up to kTileRows): its stream prefetched by the tile above the hardware's row limit
+  const TileFn one_tile =
+      row_tiles == 1 ? (m > kHardwarePrefetchMaxRows ? kOneTileOwnPrefetch : kOneTile)[m - 1] : nullptr;
   specdec::parallel_shares(blocks, [&](specdec::ShareCursor& cursor) {
     std::vector<__m512i> sums(row_tiles * kMaxAccumulators);  // each tile's [rows][64] int32 sums
     int32_t* acc = reinterpret_cast<int32_t*>(sums.data());
@@ -236,8 +239,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
       if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher for few rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
-        (m > kHardwarePrefetchMaxRows ? kOneTileOwnPrefetch : kOneTile)[m - 1](xq.get(), row_stride, step_stride,
-                                                                                steps, panel, prefetch, acc);
+        one_tile(xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
         store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
         continue;
       }
