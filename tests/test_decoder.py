@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, SequenceInput
-from specdec.models.linear import DenseLinear, float32_linear
+from specdec.models.decoder import Decoder
+from specdec.models.linear import Avx2Int8Linear, DenseLinear, PanelLinear, float32_linear, int8_linear
 from specdec.models.loader import load_decoder
 from specdec.spec.tree import ROOT, TokenTree
 
@@ -164,3 +169,106 @@ def test_rope_rows_come_from_a_table_bitwise_as_computed(tiny_qwen):
         assert torch.equal(cos, emb.cos() * decoder.attention_scaling)
         assert torch.equal(sin, emb.sin() * decoder.attention_scaling)
     assert len(decoder.rope(torch.tensor([9000]))[0]) == 1
+
+
+class _CountingStack:
+    """A decoder's layer loop that counts its forwards."""
+
+    def __init__(self, stack):
+        self.stack, self.calls = stack, 0
+
+    def forward(self, *args):
+        self.calls += 1
+        return self.stack.forward(*args)
+
+
+def _steps(decoder) -> list:
+    """Prefills, a batched decode/verify step with intermediate layers, a tree and a long chunk: every output and the
+    caches after them."""
+    cache = decoder.new_kv_cache(num_slots=3, max_len=128)
+    a, b = cache.allocate(), cache.allocate()
+    outputs = [run(decoder, cache, [SequenceInput(a, list(range(10, 20))), SequenceInput(b, [7, 8, 9])])]
+    last = decoder.config.num_layers - 1
+    outputs.append(run(decoder, cache, [SequenceInput(a, [21]), SequenceInput(b, [30, 31, 32, 33], num_logits=2)],
+                       hidden_layers=(0, last)))
+    tree = TokenTree.from_choices([(0,), (1,), (0, 0), (1, 0)])
+    cached = cache.length(a)
+    outputs.append(run(decoder, cache, [SequenceInput(a, [40, 41, 42, 43, 44], positions=tree.positions(cached).tolist(),
+                                                      mask=tree.attention_mask(cached))]))
+    outputs.append(run(decoder, cache, [SequenceInput(b, list(range(100, 170)))]))  # over row_invariant_tokens
+    outputs.append(run(decoder, cache, [SequenceInput(b, [5])]))
+    tensors = [c[:, slot, :, : cache.length(slot)] for slot in (a, b) for c in (cache.keys, cache.values)]
+    for output in outputs:
+        tensors += [output.logits, output.hidden, *output.layer_hidden.values()]
+        tensors.append(torch.tensor(sorted(output.layer_hidden)))
+    return tensors
+
+
+def _with_linears(source: Decoder, make_linear) -> Decoder:
+    """`source` (dense float32 weights) with every layer's products made by `make_linear(weight, bias)`."""
+    layers = [dataclasses.replace(layer, **{name: make_linear(getattr(layer, name).weight, getattr(layer, name).bias)
+                                            for name in ("qkv", "o", "gate_up", "down")})
+              for layer in source.layers]
+    return Decoder(source.config, source.embed, layers, source.final_norm, source.lm_head, source.inv_freq)
+
+
+LINEAR_KERNELS = [
+    pytest.param(lambda: float32_linear(), id="float32"),
+    pytest.param(lambda: functools.partial(PanelLinear, isa=kernels.AVX2), id="float32-avx2",
+                 marks=pytest.mark.skipif(kernels.fp32_linear(kernels.AVX2) is None, reason="no AVX2 float32 kernel")),
+    pytest.param(lambda: int8_linear(), id="int8"),
+    pytest.param(lambda: Avx2Int8Linear, id="int8-avx2",
+                 marks=pytest.mark.skipif(kernels.int8_avx2() is None, reason="no AVX2 int8 kernel")),
+]
+
+
+@pytest.mark.parametrize("kernel", LINEAR_KERNELS)
+def test_layer_loop_is_bitwise_the_python_loop(tiny_qwen, kernel):
+    """Forwards whose rows all take the row attention kernel run their layers in one C++ call (layer_loop.cpp) over
+    each kernel's C++ entry; its logits, hidden states, intermediate layers and KV cache are bitwise the Python loop's,
+    for batched steps and trees, and a long chunk still takes the Python loop."""
+    source = load_decoder(tiny_qwen, prepack=False)
+    native, python = (_with_linears(source, kernel()) for _ in range(2))
+    if native.layer_stack is None:
+        pytest.skip("no layer loop on this CPU (or no compiler)")
+    python.layer_stack = None
+    native.layer_stack = counting = _CountingStack(native.layer_stack)
+    expected, got = _steps(python), _steps(native)
+    assert counting.calls == 4  # every forward but the 70-token chunk
+    assert len(got) == len(expected)
+    for index, (a, b) in enumerate(zip(got, expected)):
+        assert torch.equal(a, b), index
+
+
+def test_layer_loop_without_norms_is_bitwise_the_python_loop(tiny_qwen):
+    """A layer that reads its input unnormalized and no final norm (EAGLE-1's draft layer): the same bits as Python."""
+    source = load_decoder(tiny_qwen)
+    layer = dataclasses.replace(source.layers[0], input_norm=None)
+    config = dataclasses.replace(source.config, num_layers=1)
+    decoders = [Decoder(config, source.embed, [layer], None, source.lm_head, source.inv_freq) for _ in range(2)]
+    if decoders[0].layer_stack is None:
+        pytest.skip("no layer loop on this CPU (or no compiler)")
+    decoders[1].layer_stack = None
+    outputs = []
+    for decoder in decoders:
+        cache = decoder.new_kv_cache(1, 16)
+        slot = cache.allocate()
+        outputs.append([run(decoder, cache, [SequenceInput(slot, ids)]).hidden for ids in ([1, 2, 3], [4], [5, 6])])
+    for a, b in zip(*outputs):
+        assert torch.equal(a, b)
+
+
+def test_layer_loop_refuses_a_wrong_entry_or_rows(tiny_qwen):
+    decoder = load_decoder(tiny_qwen)
+    if decoder.layer_stack is None:
+        pytest.skip("no layer loop on this CPU (or no compiler)")
+    layer, norms = decoder.layers[0], decoder.norm_swiglu
+    swapped = (layer.input_norm, layer.qkv.entry, layer.o.entry, layer.post_norm, layer.gate_up.entry,
+               (norms.swiglu_entry, [], 1))
+    with pytest.raises(RuntimeError, match="specdec.entry.linear"):
+        kernels.layer_loop().LayerStack([swapped], None, 1e-6, 1.0, decoder.row_attention.attend_entry,
+                                        norms.rms_norm_entry, norms.add_rms_norm_entry, norms.swiglu_entry)
+    cache = decoder.new_kv_cache(1, 16)
+    x, (cos, sin) = torch.zeros(2, decoder.config.hidden_size), decoder.rope(torch.arange(2))
+    with pytest.raises(RuntimeError, match="the sequences hold 1 rows, x 2"):
+        decoder.layer_stack.forward(x, cos, sin, [(1, 0, [], cache.layer_views(cache.allocate()))], [])

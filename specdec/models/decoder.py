@@ -127,6 +127,23 @@ class Decoder:
         # RMSNorm (after the residual add) and SwiGLU: specdec's kernel (AVX-512 or AVX2) where it runs, else PyTorch
         # ops
         self.norm_swiglu = kernels.norm_swiglu() if cpu_float32 else None
+        # the layers of a forward whose rows all take the row attention kernel, in one C++ call over the same kernels
+        # (bitwise the Python loop's), where every product has a C++ entry; else the Python loop
+        self.layer_stack = self._layer_stack()
+
+    def _layer_stack(self) -> Any | None:
+        loop = kernels.layer_loop() if self.row_attention is not None and self.norm_swiglu is not None else None
+        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+        if loop is None or any(linear.entry is None for linear in linears):
+            return None
+        layers = [(layer.input_norm, layer.qkv.entry, layer.o.entry, layer.post_norm, layer.gate_up.entry, layer.down.entry)
+                  for layer in self.layers]
+        return loop.LayerStack(layers, self.final_norm, self.config.rms_norm_eps, self._attention_scale(),
+                               self.row_attention.attend_entry, self.norm_swiglu.rms_norm_entry,
+                               self.norm_swiglu.add_rms_norm_entry, self.norm_swiglu.swiglu_entry)
+
+    def _attention_scale(self) -> float:
+        return 1.0 / self.config.head_dim**0.5  # as PyTorch's attention
 
     def new_kv_cache(self, num_slots: int, max_len: int) -> KVCache:
         c = self.config
@@ -137,12 +154,21 @@ class Decoder:
                 qkv_offset: torch.Tensor | None = None) -> ForwardOutput:
         """`inputs_embeds` [T, hidden], where given, replaces the token embeddings (a draft layer's fused inputs);
         `qkv_offset` [T, q + 2 kv] is added to the first layer's q/k/v projections (EAGLE-3's layer attends over
-        concat(norm(embedding), norm(hidden)) with the hidden as its residual: the embedding's share of the product)."""
+        concat(norm(embedding), norm(hidden)) with the hidden as its residual: the embedding's share of the product).
+        Where every sequence's rows attend each as its own step (decoding, verification, trees), the layers run in one
+        C++ call (`layer_stack`, kernels/layer_loop.cpp) over the kernels the Python loop below calls, bitwise alike:
+        each product evicts the caches, and ~200 Python steps a forward each began cold (measured: BENCHMARKS.md)."""
         for slot, n in zip(batch.slots, batch.num_new):
             cache.check_room(slot, n)
         x = F.embedding(batch.token_ids.to(self.device), self.embed) if inputs_embeds is None else inputs_embeds
         cos, sin = self.rope(batch.positions)
         masks = [self._row_masks(m, cached, n) for m, cached, n in zip(batch.masks, batch.cache_lens, batch.num_new)]
+        if self.layer_stack is not None and qkv_offset is None and all(map(self._by_row, masks, batch.num_new)):
+            sequences = [(n, cached, mask or [], cache.layer_views(slot))
+                         for slot, cached, n, mask in zip(batch.slots, batch.cache_lens, batch.num_new, masks)]
+            hidden_layers = [i for i in range(len(self.layers)) if i in batch.hidden_layers]
+            hidden, hidden_states = self.layer_stack.forward(x, cos, sin, sequences, hidden_layers)
+            return self._finish(batch, cache, hidden, dict(zip(hidden_layers, hidden_states)))
         layer_hidden: dict[int, torch.Tensor] = {}
         # each sequence's per-layer KV views for the row attention kernel, looked up once per forward
         slot_views = [cache.layer_views(slot) for slot in batch.slots] if self.row_attention is not None else []
@@ -159,9 +185,13 @@ class Decoder:
                 if index in batch.hidden_layers:
                     x, mlp = x + mlp, None
                     layer_hidden[index] = x
+        return self._finish(batch, cache, self._residual_norm(x, mlp, self.final_norm)[1], layer_hidden)
+
+    def _finish(self, batch: ForwardBatch, cache: KVCache, hidden: torch.Tensor,
+                layer_hidden: dict[int, torch.Tensor]) -> ForwardOutput:
+        """The forward's output from the final norm's `hidden`, the sequences' new tokens kept in the cache."""
         for slot, n in zip(batch.slots, batch.num_new):
             cache.advance(slot, n)
-        x, hidden = self._residual_norm(x, mlp, self.final_norm)
         rows = hidden if batch.logits_rows is None else hidden[batch.logits_rows.to(self.device)]
         # logits go to the CPU, where sampling and verification run with per-request generators
         logits = self.lm_head(rows).float().cpu()
@@ -195,6 +225,11 @@ class Decoder:
             return self.norm_swiglu.swiglu(gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
+
+    def _by_row(self, mask: list[list[int]] | torch.Tensor | None, n: int) -> bool:
+        """Whether a sequence's rows each attend as their own one-token step (`_row_masks`' lists; causal rows within
+        `row_invariant_tokens`); else a prefill chunk or a general mask, in one attention call."""
+        return isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens)
 
     def _attention_backends(self) -> contextlib.AbstractContextManager:
         """On CUDA, PyTorch's attention without its cuDNN backend: cuDNN builds a plan for every new key length,
@@ -263,10 +298,10 @@ class Decoder:
             # (batch invariance: with exact int8 sums this makes plain and speculative greedy decoding
             # token-identical). A tree node off the first branch sees the cache, then its ancestors and itself.
             # Prefill chunks take one causal kernel call instead (each row here would re-read the KV cache).
-            by_row = isinstance(mask, list) or (mask is None and n <= self.row_invariant_tokens)
+            by_row = self._by_row(mask, n)
             if by_row and self.row_attention is not None:
                 keys, values = slot_views[index][layer]  # the kernel writes the new tokens' K and V
-                scale = 1.0 / c.head_dim**0.5  # as PyTorch's attention
+                scale = self._attention_scale()
                 # one sequence (plain decoding, verification) takes the tensors whole: no slicing per layer
                 whole = end == len(qkv) and not start
                 rows = (qkv, cos, sin) if whole else (qkv[start:end], cos[start:end], sin[start:end])

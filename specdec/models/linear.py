@@ -31,13 +31,21 @@ DEFAULT_TARGET_QUANTIZATION = "int8"
 DEFAULT_DRAFT_QUANTIZATION = "int8"
 
 
-# Every kernel exposes in_features, out_features and weight_bytes (what a forward reads), for the roofline.
+# Every kernel exposes in_features, out_features and weight_bytes (what a forward reads), for the roofline, and `entry`:
+# its C++ entry for the decoder's layer loop (kernels/kernel_entry.h: capsule, operands, out features), or None where
+# its kernel has none.
+NativeEntry = tuple[object, list[torch.Tensor], int]
 
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as the [rows, in] a specdec kernel takes: the decoder's 2-D inputs as they are (a reshape and a view back
     cost ~2.5 µs a call, and a forward makes 113)."""
     return x if x.dim() == 2 else x.reshape(-1, in_features)
+
+
+def _operands(*tensors: torch.Tensor, bias: torch.Tensor | None) -> list[torch.Tensor]:
+    """A specdec kernel's operands for its C++ entry: the bias last, where there is one."""
+    return [*tensors] if bias is None else [*tensors, bias]
 
 
 def _shaped_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -51,6 +59,7 @@ class DenseLinear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
+        self.entry: NativeEntry | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -64,6 +73,7 @@ class PrepackedLinear:
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
+        self.entry: NativeEntry | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -87,6 +97,7 @@ class PanelLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * 4
+        self.entry = (self.kernel.linear_entry, _operands(self.packed, bias=self.bias), self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.bias, self.out_features)
@@ -119,6 +130,7 @@ class Int8Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = quantized.shape
         self.weight_bytes = quantized.numel() + 4 * scale.numel()
+        self.entry: NativeEntry | None = None
         self._pack(quantized)
 
     def _pack(self, quantized: torch.Tensor) -> None:
@@ -157,6 +169,8 @@ class VnniInt8Linear(Int8Linear):
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_vnni()
         self.packed, self.column_sums = self.kernel.pack(quantized)
+        self.entry = (self.kernel.linear_entry, _operands(self.packed, self.column_sums, self.scale, bias=self.bias),
+                      self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.column_sums, self.scale, self.bias,
@@ -172,6 +186,7 @@ class Avx2Int8Linear(Int8Linear):
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_avx2()
         self.packed = self.kernel.pack(quantized)
+        self.entry = (self.kernel.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)

@@ -119,9 +119,16 @@ def norm_swiglu(isa: Isa | None = None) -> ModuleType | None:
     return _float32_kernel("specdec_norm_swiglu", "norm_swiglu.cpp", isa)
 
 
+@functools.cache
+def layer_loop() -> ModuleType | None:
+    """A decoder's layers in one call over the other kernels' C++ entries (layer_loop.cpp), or None. It computes
+    nothing itself, so it needs no instruction set of its own."""
+    return _build("specdec_layer_loop", "layer_loop.cpp", ())
+
+
 def build_all() -> dict[str, bool]:
     """Builds the kernels (torch caches the builds); which ones run here (False: not for this CPU, or no compiler)."""
-    built = {"int8 VNNI": int8_vnni(), "int8 AVX2": int8_avx2()}
+    built = {"int8 VNNI": int8_vnni(), "int8 AVX2": int8_avx2(), "layer loop": layer_loop()}
     for isa in runnable_isas():
         built |= {f"fp32 linear {isa.name}": fp32_linear(isa), f"row attention {isa.name}": row_attention(isa),
                   f"norm/SwiGLU {isa.name}": norm_swiglu(isa)}

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "huge_pages.h"
+#include "kernel_entry.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -168,9 +169,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   return y;
 }
 
+// the layer loop's entry (kernel_entry.h): operands {packed} or {packed, bias}
+torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
+  TORCH_CHECK(operands.size() == 1 || operands.size() == 2, "fp32 linear: operands {packed[, bias]} expected");
+  return linear(x, operands[0], operands.size() == 2 ? c10::optional<torch::Tensor>(operands[1]) : c10::nullopt, n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack", &pack);
   module.def("linear", &linear);
+  module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry);
 }

@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "huge_pages.h"
+#include "kernel_entry.h"
 #include "shared_work.h"
 
 namespace {
@@ -180,9 +181,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   return y;
 }
 
+// the layer loop's entry (kernel_entry.h): operands {packed, weight scales[, bias]}
+torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
+  TORCH_CHECK(operands.size() == 2 || operands.size() == 3, "int8 linear: operands {packed, scale[, bias]} expected");
+  return linear(x, operands[0], operands[1], operands.size() == 3 ? c10::optional<torch::Tensor>(operands[2]) : c10::nullopt,
+                n);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack", &pack);
   module.def("linear", &linear);
+  module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry);
 }

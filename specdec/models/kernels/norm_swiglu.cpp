@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <tuple>
 
+#include "kernel_entry.h"
 #include "simd.h"
 
 namespace {
@@ -116,4 +117,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("rms_norm", &rms_norm);
   module.def("add_rms_norm", &add_rms_norm);
   module.def("swiglu", &swiglu);
+  // the layer loop's entries (kernel_entry.h)
+  module.attr("rms_norm_entry") = specdec::entry::capsule<specdec::entry::RmsNorm>(&rms_norm);
+  module.attr("add_rms_norm_entry") = specdec::entry::capsule<specdec::entry::AddRmsNorm>(&add_rms_norm);
+  module.attr("swiglu_entry") = specdec::entry::capsule<specdec::entry::Swiglu>(&swiglu);
 }

@@ -33,6 +33,7 @@
 #include <utility>
 #include <vector>
 
+#include "kernel_entry.h"
 #include "simd.h"
 
 namespace {
@@ -559,4 +560,5 @@ torch::Tensor attend_rows(torch::Tensor qkv, torch::Tensor cos, torch::Tensor si
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("attend", &attend_rows);
+  module.attr("attend_entry") = specdec::entry::capsule<specdec::entry::Attend>(&attend_rows);  // kernel_entry.h
 }
