@@ -4,9 +4,9 @@
 //
 // Why: every large product streams more than the L3 and evicts the interpreter's and PyTorch's dispatcher's state, so
 // each of the ~200 Python steps between a forward's products began on cold caches (the first op after a 110 MB
-// product: 35–60 µs, against 2–3 µs hot; Zen 4 host, 32 MiB L3). A prototype of this loop over the 1.5B took 0.95–0.98
-// of the time of an int8 forward and 0.96–0.98 of a float32 one (BENCHMARKS.md, twenty-fifth session). This file
-// makes no choice of its own and needs no instruction set: each kernel was built for its own.
+// product: 35–60 µs, against 2–3 µs hot; Zen 4 host, 32 MiB L3). Against the Python loop, the 1.5B's forwards of 1–8
+// rows took 0.94–0.99 of the time in int8 and 0.96–0.98 in float32 (Zen 5 host, paired; BENCHMARKS.md, twenty-sixth
+// session). This file makes no choice of its own and needs no instruction set: each kernel was built for its own.
 #include <torch/extension.h>
 
 #include <algorithm>
