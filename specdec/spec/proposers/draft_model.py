@@ -24,7 +24,7 @@ from specdec.engine.sequence import Sequence
 from specdec.kv_cache import KVCache
 from specdec.models.batch import ForwardBatch, ForwardOutput, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.sampling import processed_probs, sample
+from specdec.sampling import greedy_tokens, processed_probs, sample
 from specdec.spec.draft_tree import DraftTreeSearch
 from specdec.spec.proposers.base import Draft
 from specdec.spec.proposers.tree_growth import grow_trees, tree_draft
@@ -66,8 +66,11 @@ class DraftModelProposer:
             inputs = [SequenceInput(self._slots[seqs[i]], feed[i], num_logits=1) for i in rows]
             batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in inputs])
             logits = self.model.forward(batch, self.cache).logits
-            probs = processed_probs(logits, [seqs[i].params for i in rows])
-            drawn = sample(probs, [seqs[i].generator for i in rows])
+            if sampled:
+                probs = processed_probs(logits, [seqs[i].params for i in rows])
+                drawn = sample(probs, [seqs[i].generator for i in rows])
+            else:  # every row greedy: its argmax, without a one-hot q to draw from (~0.2 ms a step)
+                probs, drawn = None, greedy_tokens(logits)
             unsure = [False] * len(rows)
             if self.confidence_threshold > 0:
                 confidence = _confidence(logits, probs, drawn, [seqs[i].params for i in rows])
@@ -118,10 +121,10 @@ class DraftModelProposer:
         return seq.token_ids_from(self.cache.length(self._slots[seq]))
 
 
-def _confidence(logits: torch.Tensor, probs: torch.Tensor, drawn: torch.Tensor, params: Seq) -> torch.Tensor:
+def _confidence(logits: torch.Tensor, probs: torch.Tensor | None, drawn: torch.Tensor, params: Seq) -> torch.Tensor:
     """The draft's probability of each drawn token: under q where sampled; under the unscaled softmax
-    for greedy rows, whose q is one-hot."""
-    confidence = probs.gather(-1, drawn[:, None])[:, 0]
+    for greedy rows, whose q is one-hot (`probs` None: every row greedy)."""
+    confidence = torch.empty(len(params)) if probs is None else probs.gather(-1, drawn[:, None])[:, 0]
     greedy = [k for k, p in enumerate(params) if p.greedy]
     if greedy:
         rows = torch.tensor(greedy)

@@ -21,6 +21,7 @@ import torch
 from specdec.engine.sequence import Sequence
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.mtp import MtpDrafter, skipped_rows
+from specdec.sampling import greedy_tokens
 from specdec.spec.proposers.base import Draft
 
 
@@ -70,7 +71,7 @@ class MtpProposer:
             cache = self.caches[module - 1]
             batch = ForwardBatch.build(inputs, [cache.length(s.slot) for s in inputs])
             out = self.drafter.forward(module, batch, cache, torch.tensor(token_ids), torch.cat(hidden))
-            best = self.drafter.token_ids(out.logits.argmax(-1)).tolist()
+            best = self.drafter.token_ids(greedy_tokens(out.logits)).tolist()
             row = 0
             for i, item, n_real in zip(active, inputs, real):
                 seq, last = seqs[i], row + len(item.token_ids) - 1
