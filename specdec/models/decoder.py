@@ -133,11 +133,11 @@ class Decoder:
 
     def _layer_stack(self) -> Any | None:
         loop = kernels.layer_loop() if self.row_attention is not None and self.norm_swiglu is not None else None
-        linears = [linear for layer in self.layers for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-        if loop is None or any(linear.entry is None for linear in linears):
+        entries = [[linear.entry for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in self.layers]
+        if loop is None or any(entry is None for row in entries for entry in row):
             return None
-        layers = [(layer.input_norm, layer.qkv.entry, layer.o.entry, layer.post_norm, layer.gate_up.entry, layer.down.entry)
-                  for layer in self.layers]
+        layers = [(layer.input_norm, qkv, o, layer.post_norm, gate_up, down)
+                  for layer, (qkv, o, gate_up, down) in zip(self.layers, entries)]
         return loop.LayerStack(layers, self.final_norm, self.config.rms_norm_eps, self._attention_scale(),
                                self.row_attention.attend_entry, self.norm_swiglu.rms_norm_entry,
                                self.norm_swiglu.add_rms_norm_entry, self.norm_swiglu.swiglu_entry)
@@ -166,7 +166,7 @@ class Decoder:
         if self.layer_stack is not None and qkv_offset is None and all(map(self._by_row, masks, batch.num_new)):
             sequences = [(n, cached, mask or [], cache.layer_views(slot))
                          for slot, cached, n, mask in zip(batch.slots, batch.cache_lens, batch.num_new, masks)]
-            hidden_layers = [i for i in range(len(self.layers)) if i in batch.hidden_layers]
+            hidden_layers = sorted({i for i in batch.hidden_layers if 0 <= i < len(self.layers)})  # as the loop meets them
             hidden, hidden_states = self.layer_stack.forward(x, cos, sin, sequences, hidden_layers)
             return self._finish(batch, cache, hidden, dict(zip(hidden_layers, hidden_states)))
         layer_hidden: dict[int, torch.Tensor] = {}

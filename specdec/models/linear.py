@@ -54,12 +54,13 @@ def _shaped_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 
 class DenseLinear:
+    entry: NativeEntry | None = None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
-        self.entry: NativeEntry | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -68,12 +69,13 @@ class DenseLinear:
 class PrepackedLinear:
     """float32 on CPU through oneDNN with the weight reordered once (x: [rows, in])."""
 
+    entry: NativeEntry | None = None
+
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
         self.bias = bias
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * weight.element_size()
-        self.entry: NativeEntry | None = None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
@@ -97,7 +99,10 @@ class PanelLinear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.weight_bytes = weight.numel() * 4
-        self.entry = (self.kernel.linear_entry, _operands(self.packed, bias=self.bias), self.out_features)
+
+    @property
+    def entry(self) -> NativeEntry:
+        return self.kernel.linear_entry, _operands(self.packed, bias=self.bias), self.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.bias, self.out_features)
@@ -112,6 +117,8 @@ class Int8Linear:
     it, bitwise alike (tested against the exact sums): `VnniInt8Linear` or `Avx2Int8Linear` where one runs, else
     `OneDnnInt8Linear`; `int8_linear` picks one per process.
     """
+
+    entry: NativeEntry | None = None  # oneDNN's kernel has no C++ entry
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.float()
@@ -130,7 +137,6 @@ class Int8Linear:
         self.bias = None if bias is None else bias.float().contiguous()
         self.out_features, self.in_features = quantized.shape
         self.weight_bytes = quantized.numel() + 4 * scale.numel()
-        self.entry: NativeEntry | None = None
         self._pack(quantized)
 
     def _pack(self, quantized: torch.Tensor) -> None:
@@ -169,8 +175,11 @@ class VnniInt8Linear(Int8Linear):
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_vnni()
         self.packed, self.column_sums = self.kernel.pack(quantized)
-        self.entry = (self.kernel.linear_entry, _operands(self.packed, self.column_sums, self.scale, bias=self.bias),
-                      self.out_features)
+
+    @property
+    def entry(self) -> NativeEntry:
+        operands = _operands(self.packed, self.column_sums, self.scale, bias=self.bias)
+        return self.kernel.linear_entry, operands, self.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.column_sums, self.scale, self.bias,
@@ -186,7 +195,10 @@ class Avx2Int8Linear(Int8Linear):
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_avx2()
         self.packed = self.kernel.pack(quantized)
-        self.entry = (self.kernel.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features)
+
+    @property
+    def entry(self) -> NativeEntry:
+        return self.kernel.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
