@@ -136,7 +136,8 @@ def test_measured_step_times_correct_the_cost_curves():
     rng = random.Random(0)
     for _ in range(80):
         gamma = controller.trim(seq, controller.choose(seq, 8))
-        controller.step_timed([seq], controller._state(seq).modeled_ms * (1.6 if gamma else 1.0))
+        state = controller._state(seq)  # the forward as its curve says, the rest of a speculative step slower
+        controller.step_timed([seq], state.modeled_ms * (1.6 if gamma else 1.0), state.modeled_forward_ms)
         accepted = int(gamma > 0 and rng.random() < 0.6)  # the first draft 60%, the rest never: ~1.3× by the curves
         controller.observe(seq, gamma, accepted)
         seq.output_token_ids.extend([1] * (accepted + 1))
@@ -151,9 +152,36 @@ def test_measured_step_times_correct_the_cost_curves():
     drifted._states[seq] = controller._states[seq]
     for _ in range(40):
         drifted.choose(seq, 0)
-        drifted.step_timed([seq], drifted._state(seq).modeled_ms * 1.3)
+        state = drifted._state(seq)
+        drifted.step_timed([seq], state.modeled_ms * 1.3, state.modeled_forward_ms * 1.3)
     assert drifted.plain_calibration == pytest.approx(1.3, rel=0.02) and drifted.speculation_overhead == 1.0
     assert drifted.choose(seq, 8) == fresh.choose(seq, 8) > 0
+
+
+def test_a_slow_machine_while_speculating_is_not_speculation_overhead():
+    """The seconds after a model loads run everything ~2× slow (measured: a fresh engine's first 3 s). Steps that
+    speculate through such a stretch are slow because the machine is, which their own target forward shows: the
+    controller charges it to the machine, not to speculation, and keeps speculating once the machine recovers
+    (charging it to speculation kept a fresh engine plain for 103 of its first request's 130 steps)."""
+    costs = StepCosts(INT8_TARGET, curve(lambda k: 4.0 + 0.1 * k))
+    controller = AdaptiveGamma(costs, probe_budget=0.0)
+    seq = sequence()
+    rng = random.Random(0)
+    chosen = []
+    for step in range(120):
+        gamma = controller.trim(seq, controller.choose(seq, 8))
+        chosen.append(gamma)
+        state = controller._state(seq)
+        slow = 2.0 if step < 30 else 1.0  # the machine: everything, the draft's forwards and the target's
+        controller.step_timed([seq], state.modeled_ms * slow * 1.05, state.modeled_forward_ms * slow)
+        accepted = 0
+        while accepted < gamma and rng.random() < 0.8:  # each position 80%
+            accepted += 1
+        controller.observe(seq, gamma, accepted)
+        seq.output_token_ids.extend([1] * (accepted + 1))
+    assert min(chosen) > 0  # it never stopped speculating
+    assert controller.speculation_overhead == pytest.approx(1.05, rel=0.02)
+    assert controller.machine == pytest.approx(1.0, rel=0.01)
 
 
 def test_a_lookup_that_finds_nothing_is_timed_as_a_plain_step():
@@ -165,7 +193,7 @@ def test_a_lookup_that_finds_nothing_is_timed_as_a_plain_step():
     for _ in range(20):
         assert controller.choose(seq, 8) > 0  # the prior says speculate
         assert controller.trim(seq, 0) == 0
-        controller.step_timed([seq], costs.verify_ms(1, seq.num_tokens) * 1.3)
+        controller.step_timed([seq], costs.verify_ms(1, seq.num_tokens) * 1.3, costs.verify_ms(1, seq.num_tokens) * 1.3)
         controller.observe(seq, 0, 0)
         seq.output_token_ids.append(1)
     assert controller.speculation_overhead == 1.0
@@ -178,7 +206,7 @@ def test_prompt_steps_are_not_timed(tiny_qwen):
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=256,
               speculative_config={"method": "ngram", "num_speculative_tokens": 4})
     timed = []
-    llm.engine.controller.step_timed = lambda seqs, ms: timed.append(len(seqs))
+    llm.engine.controller.step_timed = lambda seqs, ms, forward_ms: timed.append(len(seqs))
     [out] = llm.generate("a prompt of a few tokens", SamplingParams(max_tokens=5, ignore_eos=True), use_tqdm=False)
     assert out.metrics.num_target_forwards >= 2 and timed == [1] * (out.metrics.num_target_forwards - 1)
 

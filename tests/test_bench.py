@@ -86,6 +86,13 @@ def test_cost_curve_bench_on_a_tiny_model(tiny_qwen, tmp_path):
         assert len(r["decode_paired_shares"]) == len(r["request_probes_bytes_per_s"]) - 1 == 2
         assert all(share > 0 for share in r["decode_paired_shares"])
         assert len(r["decode_step_paired_shares"]) == 2 and all(share > 0 for share in r["decode_step_paired_shares"])
+        # and each decode step of one more pass against the bandwidth probed right after it: 5 steps after each
+        # prompt's first token, the cache growing by one a step
+        steps = r["decode_steps_probed"]
+        assert len(steps) == len(r["decode_step_probe_shares"]) == 2 * 5
+        assert [cached for _, cached, _ in steps[1:5]] == [steps[0][1] + i for i in range(1, 5)]
+        assert all(ms > 0 and bandwidth > 0 for ms, _, bandwidth in steps)
+        assert all(share > 0 for share in r["decode_step_probe_shares"])
     assert int8["work"]["int8"] and int8["work"]["weight_bytes"] < fp32["work"]["weight_bytes"] / 3
     assert (out / "cost_curve.png").stat().st_size > 10_000
     table = doc.read_text()

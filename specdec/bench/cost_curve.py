@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import statistics
 import sys
+import time
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -63,6 +64,11 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()),
                                               after_request=lambda: request_probes.append(meter.read_bandwidth()))
     after = meter.measure()
+    # each decode step timed alone with a probe right after it, as the curve's forwards are: a request's seconds
+    # span memory of changing speed, which neither probe around it sees
+    paired_steps = _paired_decode_steps(llm, spec, dataset_prompts(spec, llm.get_tokenizer()), meter)
+    step_probe_shares = [work.roofline_ms(1, cached, dataclasses.replace(after, read_bytes_per_s=bandwidth)) / ms
+                         for ms, cached, bandwidth in paired_steps]
     # each request's tok/s against the roofline at the faster of the probes around it (one probe is a 50 ms moment
     # of a request's seconds: against the probe after it alone, requests ran at 73–184% of the roofline)
     request_rooflines_ms = [
@@ -91,10 +97,32 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
         "ceilings_by_round": [c.to_json() for c in by_round], "work": work.__dict__, "curve": curve.to_json(),
         "roofline_ms": roofline, "paired_ratio": paired_ratio, "probed_bytes_per_s": probed,
         "decode_roofline_after_ms": work.roofline_ms(1, 128, after), "decode_paired_shares": decode_shares,
-        "decode_step_paired_shares": step_shares,
+        "decode_step_paired_shares": step_shares, "decode_steps_probed": paired_steps,
+        "decode_step_probe_shares": step_probe_shares,
         "request_probes_bytes_per_s": request_probes, "prefill": _prefill(llm, ids),
         "nll": _mean_nll(model, ids),
     }
+
+
+def _paired_decode_steps(llm: Any, spec: WorkerSpec, prompts: list[list[int]], meter: Any) -> list[tuple[float, int, float]]:
+    """Every greedy decode step of `prompts` (one request at a time, through the engine's own step), timed alone and
+    followed by a read-bandwidth probe: (ms, tokens cached before it, bytes/s)."""
+    from specdec import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=spec.max_tokens, ignore_eos=True)
+    steps = []
+    for i, ids in enumerate(prompts):
+        [seq] = engine.add_request(f"paired-decode-{i}", ids, params)
+        while not seq.output_token_ids:  # the prompt's prefill and the first token: not decode steps
+            engine.step()
+        while not seq.is_finished:
+            cached = engine.cache.length(seq.slot)
+            start = time.perf_counter()
+            engine.step()
+            ms = 1000 * (time.perf_counter() - start)
+            steps.append((ms, cached, meter.read_bandwidth()))
+    return steps
 
 
 def _prefill(llm: Any, ids: list[int], repeats: int = 3) -> dict[str, Any]:
@@ -217,7 +245,9 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         "run; % of roofline against them · against the ceilings measured right after the decode passes · each "
         "request's tok/s against the roofline at the faster of the read bandwidths probed right before and right after "
         "it, median (min–max) over requests · the same for each request's decode steps alone (1 / TPOT: without its "
-        "prefill, which roofline(1) does not model). Prefill: a "
+        "prefill, which roofline(1) does not model) · each decode step timed alone against the roofline at the read "
+        "bandwidth probed right after it, as the curve's forwards, median (quartiles) over the steps of one more pass "
+        "(a request's seconds span memory of changing speed, which the probes around it miss). Prefill: a "
         "1,016-token prompt (the held text) through the engine's 512-token chunks, TTFT median of 3. NLL: mean "
         "next-token negative log-likelihood (nats) over the held text (`bench/datasets/held_text.txt`, written for "
         f"the project); agreement: prompts whose {args.max_tokens} greedy tokens equal float32's exactly, and the "
@@ -244,7 +274,8 @@ def formats_table(results: list[dict[str, Any]], args: argparse.Namespace) -> st
         lines.append(
             f"| {model} | {_fmt(r)} | {med:.2f} ({low:.2f}–{high:.2f}) | {ratio} | {roof_tps:.1f} | "
             f"{100 * med / roof_tps:.0f}% · {100 * med * r['decode_roofline_after_ms'] / 1000:.0f}% · "
-            f"{_percent_spread(r['decode_paired_shares'])} · {_percent_spread(r['decode_step_paired_shares'])} | "
+            f"{_percent_spread(r['decode_paired_shares'])} · {_percent_spread(r['decode_step_paired_shares'])} · "
+            f"{_percent_quartiles(r['decode_step_probe_shares'])} | "
             f"{r['prefill']['tok_per_s']:.0f} | "
             f"{statistics.median(r['prefill']['ttft_s']):.2f} | {r['nll']:.4f} | {nll_delta} | {agree} |"
         )
@@ -255,6 +286,13 @@ def _percent_spread(shares: list[float]) -> str:
     if not shares:
         return "—"
     return f"{100 * statistics.median(shares):.0f}% ({100 * min(shares):.0f}–{100 * max(shares):.0f}%)"
+
+
+def _percent_quartiles(shares: list[float]) -> str:
+    if not shares:
+        return "—"
+    q1, median, q3 = statistics.quantiles(shares, n=4) if len(shares) > 1 else shares * 3
+    return f"{100 * median:.0f}% ({100 * q1:.0f}–{100 * q3:.0f}%)"
 
 
 def _agreement(tokens: list[list[int]], reference: list[list[int]]) -> str:

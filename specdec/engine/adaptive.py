@@ -8,9 +8,10 @@ i.i.d. α of the papers: acceptance moves along the draft). The step costs
                n-gram and suffix lookup) + verify_ms(γ + 1, context) (the target's measured curve).
 The controller picks γ ∈ {0, …, γ_max} maximising E[tokens] / E[ms]; γ = 0 is a plain step. In a
 batch, a sequence pays its share of forwards over every decoding sequence's tokens (`StepCosts`); what
-the curves miss is learned from the measured time of decode steps: plain steps against their modeled
-time (the machine drifts from when its curves were measured), and speculative steps against theirs
-over that (sampling and verifying each row, the draft's own work). Once
+the curves miss is learned from the measured time of decode steps: the machine now against when its
+curves were measured, from each step's own target forward (it drifts; the seconds after a model loads
+run up to 2–3× slow), and what a step costs beyond that, for plain and for speculative steps apart
+(sampling and verifying each row, the draft's own work). Once
 the proposer has drafted, the drafting is paid for, and the draft is trimmed to the prefix k that
 maximises E[tokens](k) − R · verify_ms(k + 1), R being the rate the choice promised.
 
@@ -72,8 +73,9 @@ class GammaController(Protocol):
     def release(self, seq: Sequence) -> None:
         """The sequence is done."""
 
-    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
-        """A step in which every sequence decoded (no prompt chunk) took `measured_ms` to draft and verify."""
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float, forward_ms: float) -> None:
+        """A step in which every sequence decoded (no prompt chunk) took `measured_ms` to draft and verify, of
+        which the target's forward took `forward_ms`."""
 
 
 class FixedGamma:
@@ -91,7 +93,7 @@ class FixedGamma:
     def release(self, seq: Sequence) -> None:
         pass
 
-    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float, forward_ms: float) -> None:
         pass
 
 
@@ -116,7 +118,7 @@ class HeuristicSchedule:
     def release(self, seq: Sequence) -> None:
         pass
 
-    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float, forward_ms: float) -> None:
         pass
 
 
@@ -203,6 +205,12 @@ def beta_weights(a: float, b: float, grid: Seq[float] = ALPHA_GRID) -> list[floa
     return [w / total for w in weights]
 
 
+def _clamped(ratio: float) -> float:
+    """A measured ÷ modeled time, within what a real drift or overhead can be (one stalled step must not swing
+    the estimates)."""
+    return min(3.0, max(0.5, ratio))
+
+
 def expected_tokens(rates: Seq[float]) -> list[float]:
     """E[tokens](γ) for γ = 0..len(rates): one target token plus each draft that survives."""
     totals, survive = [1.0], 1.0
@@ -221,6 +229,7 @@ class _SequenceState:
     context: int = 0
     drafted: int = 0  # γ asked of the proposer this step
     modeled_ms: float = 0.0  # this sequence's share of the step, by the cost curves alone (uncalibrated)
+    modeled_forward_ms: float = 0.0  # of which the target's forward
     probing: bool = False  # this step is a probe
     may_probe: bool = False  # a stratified step whose pooled choice was plain: `trim` may keep one token as a probe
     probe_cost: float = 0.0  # what that probe would cost beyond a plain step
@@ -265,10 +274,11 @@ class AdaptiveGamma:
         self.prior_weight = 1.0
         self.max_prior_weight = max_prior_weight
         self.probe_credit_ms = 0.0  # probe_budget × the time of every plain step so far, less the probes' cost
-        # what the cost curves miss, from the measured time of whole decode steps: plain steps ÷ their modeled
-        # time (the machine now against when the curves were measured), and speculative steps ÷ theirs, over
-        # the plain ratio (a batched forward's per-sequence work, sampling and verifying each row)
-        self.plain_calibration = self.speculation_overhead = 1.0
+        # what the cost curves miss, from the measured time of decode steps: the machine now against when the
+        # curves were measured (each step's target forward ÷ its modeled time), and beyond that what plain steps
+        # cost over their forward (sampling, the engine), and speculative steps over a plain step's ratio (a
+        # batched forward's per-sequence work, sampling and verifying each row)
+        self.machine = self.plain_overhead = self.speculation_overhead = 1.0
         self._states: dict[Sequence, _SequenceState] = {}
 
     def choose(self, seq: Sequence, gamma_max: int, batch_size: int = 1) -> int:
@@ -276,7 +286,7 @@ class AdaptiveGamma:
         state.probing, state.rate, state.batch_size, state.context = False, 0.0, batch_size, seq.num_tokens
         state.may_probe, state.stratum = False, None
         state.drafted = self._choose(state, seq, gamma_max)
-        state.modeled_ms = self._modeled_ms(state, state.drafted)
+        self._model_step(state, state.drafted)
         return state.drafted
 
     def _choose(self, state: _SequenceState, seq: Sequence, gamma_max: int) -> int:
@@ -321,7 +331,8 @@ class AdaptiveGamma:
         state = self._state(seq)
         if num_drafted == 0:
             if self.costs.draft is None:  # a lookup that found nothing: the step is a plain one, and timed as one
-                state.drafted, state.modeled_ms = 0, self._modeled_ms(state, 0)
+                state.drafted = 0
+                self._model_step(state, 0)
             return 0
         if sizes is None:  # a chain: k tokens down to depth k, priced when γ was chosen
             sizes, verify_ms = range(num_drafted + 1), state.verify_ms
@@ -338,34 +349,45 @@ class AdaptiveGamma:
             state.probing, kept = True, 1
         if kept == 0 and self.costs.draft is None:  # a free draft trimmed away: a plain step, timed as one
             state.drafted = 0
-        state.modeled_ms = self._modeled_ms(state, num_drafted, sizes[kept])
+        self._model_step(state, num_drafted, sizes[kept])
         return kept
 
-    def step_timed(self, seqs: Seq[Sequence], measured_ms: float) -> None:
+    @property
+    def plain_calibration(self) -> float:
+        """A plain step's time ÷ its modeled time: the machine now, and what the curves miss of a plain step."""
+        return self.machine * self.plain_overhead
+
+    def step_timed(self, seqs: Seq[Sequence], measured_ms: float, forward_ms: float) -> None:
         states = [self._states[s] for s in seqs if s in self._states]
         if not states or len(states) < len(seqs):
             return
-        modeled = sum(s.modeled_ms for s in states)
-        if modeled <= 0:
+        modeled, modeled_forward = sum(s.modeled_ms for s in states), sum(s.modeled_forward_ms for s in states)
+        if modeled <= 0 or modeled_forward <= 0:
             return
-        ratio = min(3.0, max(0.5, measured_ms / modeled))
+        # the machine's speed from this step's own forward: a machine running slow slows plain and speculative
+        # steps alike, and a slow stretch while the controller speculates must not read as speculation's cost
+        # (it kept a fresh engine plain for most of its first request: 103 of 130 steps)
+        machine = _clamped(forward_ms / modeled_forward)
+        self.machine += self.calibration_weight * (machine - self.machine)
+        beyond_machine = _clamped(measured_ms / modeled) / machine
         if any(s.drafted for s in states):
-            overhead = ratio / self.plain_calibration
+            overhead = beyond_machine / self.plain_overhead
             self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
         else:
-            self.plain_calibration += self.calibration_weight * (ratio - self.plain_calibration)
+            self.plain_overhead += self.calibration_weight * (beyond_machine - self.plain_overhead)
 
     def _verify_ms(self, state: _SequenceState, num_drafted: int) -> float:
         """The step's verify forward over `num_drafted` draft tokens and the pending one, calibrated."""
         calibration = self.plain_calibration * (self.speculation_overhead if num_drafted else 1.0)
         return self.costs.verify_ms(num_drafted + 1, state.context, state.batch_size) * calibration
 
-    def _modeled_ms(self, state: _SequenceState, drafted: int, verified: int | None = None) -> float:
+    def _model_step(self, state: _SequenceState, drafted: int, verified: int | None = None) -> None:
         """This sequence's share of the step by the cost curves: drafting `drafted` (catch-up included), then
-        verifying `verified` of them."""
+        verifying `verified` of them in the target's forward."""
         verified = drafted if verified is None else verified
         costs, context, batch = self.costs, state.context, state.batch_size
-        return costs.draft_ms(drafted, context, state.unseen, batch) + costs.verify_ms(verified + 1, context, batch)
+        state.modeled_forward_ms = costs.verify_ms(verified + 1, context, batch)
+        state.modeled_ms = costs.draft_ms(drafted, context, state.unseen, batch) + state.modeled_forward_ms
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)

@@ -135,7 +135,9 @@ class Engine:
         inputs = [_forward_input(s, self.cache.length(s.slot), tokens, drafts.get(s)) for s, tokens in zip(running, pending)]
         layers = () if self.proposer is None else self.proposer.feature_layers
         batch = ForwardBatch.build(inputs, [self.cache.length(s.slot) for s in running], hidden_layers=layers)
+        forward_start = time.perf_counter()
         output = self.model.forward(batch, self.cache)
+        forward_time = time.perf_counter() - forward_start
         logits = output.logits.split([i.num_logits for i in inputs])
         # what a proposer reads of the target: its final hidden states, or those layers' outputs side by side
         features = torch.cat([output.layer_hidden[i] for i in layers], dim=-1) if layers else output.hidden
@@ -172,7 +174,7 @@ class Engine:
         verify_time = time.perf_counter() - start
         # decode steps only (each sequence fed its one sampled token): a prompt chunk's cost is not the choice's
         if len(completing) == len(running) and all(len(tokens) == 1 for tokens in pending):
-            self.controller.step_timed(completing, (draft_time + verify_time) * 1000)
+            self.controller.step_timed(completing, (draft_time + verify_time) * 1000, forward_time * 1000)
 
         for seq in ready:
             if seq in drafts and seq.spec_stats is not None:
