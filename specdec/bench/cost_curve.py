@@ -61,12 +61,13 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
     # read bandwidth before the decode passes and right after each request: request i runs between probes i and i + 1
     request_probes = [meter.read_bandwidth()]
-    passes, ttft, tpot, _, _ = specdec_passes(llm, spec, dataset_prompts(spec, llm.get_tokenizer()),
+    prompts = dataset_prompts(spec, llm.get_tokenizer())
+    passes, ttft, tpot, _, _ = specdec_passes(llm, spec, prompts,
                                               after_request=lambda: request_probes.append(meter.read_bandwidth()))
     after = meter.measure()
     # each decode step timed alone with a probe right after it, as the curve's forwards are: a request's seconds
     # span memory of changing speed, which neither probe around it sees
-    paired_steps = _paired_decode_steps(llm, spec, dataset_prompts(spec, llm.get_tokenizer()), meter)
+    paired_steps = _paired_decode_steps(llm, spec, prompts, meter)
     step_probe_shares = [work.roofline_ms(1, cached, dataclasses.replace(after, read_bytes_per_s=bandwidth)) / ms
                          for ms, cached, bandwidth in paired_steps]
     # each request's tok/s against the roofline at the faster of the probes around it (one probe is a 50 ms moment
