@@ -266,9 +266,16 @@ def test_an_engine_failure_fails_its_requests_not_the_server(server, llm, monkey
     assert server.client().completions.create(model=MODEL, prompt="x", **GREEDY).usage.completion_tokens == 20
 
 
-def test_graceful_shutdown_cancels_what_still_runs(llm):
+def test_graceful_shutdown_cancels_what_still_runs(llm, monkeypatch):
     """Running responses may finish within the grace period; then the server cancels the rest itself: the
     client gets an error event and [DONE], and every sequence and KV slot is freed."""
+    step = llm.engine.step
+
+    def slow_step() -> list:  # the tiny model decodes 120 tokens within the grace period on a fast host
+        time.sleep(0.02)
+        return step()
+
+    monkeypatch.setattr(llm.engine, "step", slow_step)
     server = Server(llm, grace_s=0.3)
     body = {"model": MODEL, "prompt": "long", "max_tokens": 120, "temperature": 0, "stream": True, "ignore_eos": True}
     lines: list[str] = []
