@@ -108,10 +108,11 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)
-@pytest.mark.parametrize("rows", [1, 9, 64])
+@pytest.mark.parametrize("rows", [1, 9, 15, 64])
 def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
-    """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones; 64 rows
-    take the tiles that share the weights in chunks of K."""
+    """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones; 9, 15 and
+    64 rows take two, three and more tiles that share the weights in chunks of K (each prefetching the next chunk its
+    own way)."""
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(2048, 1536, generator=g) * 0.05, torch.randn(2048, generator=g)
     x = torch.randn(rows, 1536, generator=g)

@@ -8,14 +8,15 @@
 // Up to 6 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels) that streams each panel once. More rows
 // take near-equal tiles of ≤ 6 rows that share each panel in chunks of 64 k-steps (16 KiB, held in L1): the first
 // tile streams a chunk from memory, the others read it from L1, their int32 sums waiting in a buffer between chunks
-// (exact: integer sums in any order are the same), and every tile prefetches its share of the next chunk into L2, so
-// the stream overlaps the arithmetic of all tiles. Against tiles that each passed over a whole panel held in L2 (and
-// one tile of ≤ 12 rows × 32 channels in two passes for 7–12 rows): 0.86–0.90 of the time at 7–12 rows, 0.72–0.90 at
-// 13–24, 0.94 at 64 (Zen 5 host, the 1.5B's products, shuffled A/B, bitwise equal). Chunks of 32 k-steps took
+// (exact: integer sums in any order are the same), and the tiles share out the prefetch of the next chunk, so the
+// stream overlaps the arithmetic of all tiles (how: kChunksPrefetchIntoL1). Against tiles that each passed over a
+// whole panel held in L2 (and one tile of ≤ 12 rows × 32 channels in two passes for 7–12 rows): 0.86–0.90 of the time
+// at 7–12 rows, 0.72–0.90 at 13–24, 0.94 at 64 (Zen 5 host, the 1.5B's products, shuffled A/B, bitwise equal). Chunks of 32 k-steps took
 // 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cpuid.h>
+#include <unistd.h>
 #include <immintrin.h>
 #include <array>
 #include <cmath>
@@ -61,6 +62,21 @@ int hardware_prefetch_max_rows() {
   return family == 0x19 ? 4 : 3;  // family 19h with AVX-512 VNNI (this kernel's): Zen 4
 }
 const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
+
+// How tiles that share chunks prefetch the next chunk. Over the 1.5B's 113 products (random weights, Zen 5 host,
+// 48 KiB L1, paired shuffled rounds binned by the memory's speed), the pass at 7–12 rows (two tiles) is bound by its memory
+// stream more than by its arithmetic: with the arithmetic taken out it still took 28–30 ms in fast memory, against
+// 23 for 6 rows (one tile) and 20–21 for one row, and 21.9 with the second tile also skipped: the memory idles while
+// the second tile reads the chunk from L1. Two tiles that each fetch their half of the next chunk into L1 in memory
+// order took 0.89–0.91 of the time at 8–12 rows in fast memory and 0.93–0.97 in slow (into L2: 0.91–0.93 at 8 rows);
+// with three tiles that took 1.01–1.09 at 16 rows, but the first tile prefetching its own chunk as one-tile passes do,
+// the others sharing the next chunk's lines into L2, took 0.91–0.94. In the real 1.5B's forwards (paired shuffled
+// rounds, bitwise equal) the two together took 0.92–0.97 of the time at k = 7–16 in fast memory and 0.95–1.00 in
+// slow. More tiles (prefill, 19 rows and up) keep the L2 prefetch alone. Where L1 holds less than 48 KiB (Zen 4: 32
+// KiB, two chunks and nothing else) the first tile's own prefetch took 1.25–1.33× the time at 7–8 rows, and fetching
+// a chunk into L1 beside the one read is not measured: there every tile shares the next chunk's lines into L2.
+const bool kChunksPrefetchIntoL1 = sysconf(_SC_LEVEL1_DCACHE_SIZE) >= (48 << 10);
+constexpr int kChunkLines = static_cast<int>(kChunkSteps * kStepBytes / 64);
 
 // W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
 std::vector<torch::Tensor> pack(torch::Tensor weight) {
@@ -126,8 +142,9 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
 }
 
 // What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: read by one-tile calls of more
-// than kHardwarePrefetchMaxRows rows only; tiles sharing chunks get theirs from the next-chunk prefetch), and lines
-// [next_first, next_end) of step s of what comes next (null: nothing) into L2.
+// than kHardwarePrefetchMaxRows rows, and by the first of three tiles sharing chunks), and its share of what
+// comes next (null: nothing): lines [next_first, next_end) of step s into L2, or (kSequentialNext) of the next chunk's
+// lines, numbered in memory order, those in [next_first, next_end) into L1, in order, spread over the tile's steps.
 struct Prefetch {
   const char* own;
   const char* next;
@@ -136,7 +153,7 @@ struct Prefetch {
 
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
 // already in acc (kResume) or from zero
-template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch>
+template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext>
 void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
@@ -153,8 +170,14 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
 #pragma GCC unroll 4
       for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
     }
-    for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
-      _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
+    if constexpr (kSequentialNext) {
+      const int64_t span = prefetch.next_end - prefetch.next_first;
+      const int64_t first = prefetch.next_first + s * span / steps, end = prefetch.next_first + (s + 1) * span / steps;
+      for (int64_t line = first; line < end; ++line) _mm_prefetch(prefetch.next + line * 64, _MM_HINT_T0);
+    } else {
+      for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
+        _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
+    }
     __m512i w[kPanelZmm];
 #pragma GCC unroll 4
     for (int j = 0; j < kPanelZmm; ++j) w[j] = _mm512_loadu_si512(step + j * 64);
@@ -174,16 +197,25 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
 
 using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
 
-template <bool kStepMajor, bool kResume, bool kOwnPrefetch, int... MR>
+using ChunkTiles = std::array<std::array<TileFn, kTileRows>, 2>;  // [resumed][rows − 1]
+
+template <bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch>...};
+  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch, kSequentialNext>...};
+}
+template <bool kOwnPrefetch, bool kSequentialNext>
+constexpr ChunkTiles chunk_tiles_of() {
+  constexpr auto rows = std::make_integer_sequence<int, kTileRows>{};
+  return {tiles_of<false, false, kOwnPrefetch, kSequentialNext>(rows),
+          tiles_of<false, true, kOwnPrefetch, kSequentialNext>(rows)};
 }
 // tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile;
 // several tiles, row-major, over a chunk's first k-step or resuming their sums
-const auto kOneTile = tiles_of<true, false, false>(std::make_integer_sequence<int, kTileRows>{});
-const auto kOneTileOwnPrefetch = tiles_of<true, false, true>(std::make_integer_sequence<int, kTileRows>{});
-const auto kChunkTiles = tiles_of<false, false, false>(std::make_integer_sequence<int, kTileRows>{});
-const auto kResumedChunkTiles = tiles_of<false, true, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kOneTile = tiles_of<true, false, false, false>(std::make_integer_sequence<int, kTileRows>{});
+const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false>(std::make_integer_sequence<int, kTileRows>{});
+const ChunkTiles kChunkTiles = chunk_tiles_of<false, false>();
+const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false>();
+const ChunkTiles kChunkTilesSequentialNext = chunk_tiles_of<false, true>();
 
 // y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64]
 void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* colsum,
@@ -249,15 +281,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
         const int8_t* chunk_weights = panel + s0 * kStepBytes;
         const char* next = s0 + chunk < steps ? reinterpret_cast<const char*>(chunk_weights + chunk * kStepBytes) : next_panel;
         for (int64_t t = 0; t < row_tiles; ++t) {
-          // the tiles share the next chunk's lines out between them; none prefetches its own chunk into L1 (the
-          // first tile's doing so, 24 k-steps ahead, took 1.25–1.33× the time at 7–8 rows on a Zen 4 host, whose
-          // 32 KiB L1 holds two chunks and nothing else; on a Zen 5 host, 48 KiB, dropping it took 0.96–1.04× the time)
-          const Prefetch prefetch{nullptr, next, next ? static_cast<int>(t * kPanelZmm / row_tiles) : 0,
-                                  next ? static_cast<int>((t + 1) * kPanelZmm / row_tiles) : 0};
+          // the tiles share the next chunk's lines out between them (see kChunksPrefetchIntoL1)
+          const bool own_prefetch = kChunksPrefetchIntoL1 && row_tiles == 3 && t == 0;
+          const bool sequential = kChunksPrefetchIntoL1 && row_tiles == 2;
+          const int parts = sequential ? kChunkLines : kPanelZmm;
+          const char* own = own_prefetch ? reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes) : nullptr;
+          const Prefetch prefetch{own, next, next ? static_cast<int>(t * parts / row_tiles) : 0,
+                                  next ? static_cast<int>((t + 1) * parts / row_tiles) : 0};
+          const ChunkTiles& tiles =
+              sequential ? kChunkTilesSequentialNext : own_prefetch ? kChunkTilesOwnPrefetch : kChunkTiles;
           const int rows = static_cast<int>(tile_first[t + 1] - tile_first[t]);
-          (s0 ? kResumedChunkTiles : kChunkTiles)[rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride,
-                                                            row_stride, step_stride, chunk, chunk_weights, prefetch,
-                                                            acc + t * kMaxAccumulators * kLanes);
+          tiles[s0 > 0][rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride, row_stride, step_stride,
+                                  chunk, chunk_weights, prefetch, acc + t * kMaxAccumulators * kLanes);
         }
       }
       for (int64_t t = 0; t < row_tiles; ++t)
