@@ -111,8 +111,8 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
 @pytest.mark.parametrize("rows", [1, 9, 15, 64])
 def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
     """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones; 9, 15 and
-    64 rows take two, three and more tiles that share the weights in chunks of K (each prefetching the next chunk its
-    own way)."""
+    64 rows take (in the VNNI kernel) two, three and more tiles that share the weights in chunks of K, each count
+    prefetching the next chunk its own way."""
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(2048, 1536, generator=g) * 0.05, torch.randn(2048, generator=g)
     x = torch.randn(rows, 1536, generator=g)
