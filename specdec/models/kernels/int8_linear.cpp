@@ -11,8 +11,8 @@
 // (exact: integer sums in any order are the same), and the tiles share out the prefetch of the next chunk, so the
 // stream overlaps the arithmetic of all tiles (how: kChunksPrefetchIntoL1). Against tiles that each passed over a
 // whole panel held in L2 (and one tile of ≤ 12 rows × 32 channels in two passes for 7–12 rows): 0.86–0.90 of the time
-// at 7–12 rows, 0.72–0.90 at 13–24, 0.94 at 64 (Zen 5 host, the 1.5B's products, shuffled A/B, bitwise equal). Chunks of 32 k-steps took
-// 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
+// at 7–12 rows, 0.72–0.90 at 13–24, 0.94 at 64 (Zen 5 host, the 1.5B's products, shuffled A/B, bitwise equal).
+// Chunks of 32 k-steps took 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <cpuid.h>
@@ -63,18 +63,18 @@ int hardware_prefetch_max_rows() {
 }
 const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
 
-// How tiles that share chunks prefetch the next chunk. Over the 1.5B's 113 products (random weights, Zen 5 host,
-// 48 KiB L1, paired shuffled rounds binned by the memory's speed), the pass at 7–12 rows (two tiles) is bound by its memory
-// stream more than by its arithmetic: with the arithmetic taken out it still took 28–30 ms in fast memory, against
-// 23 for 6 rows (one tile) and 20–21 for one row, and 21.9 with the second tile also skipped: the memory idles while
-// the second tile reads the chunk from L1. Two tiles that each fetch their half of the next chunk into L1 in memory
-// order took 0.89–0.91 of the time at 8–12 rows in fast memory and 0.93–0.97 in slow (into L2: 0.91–0.93 at 8 rows);
-// with three tiles that took 1.01–1.09 at 16 rows, but the first tile prefetching its own chunk as one-tile passes do,
-// the others sharing the next chunk's lines into L2, took 0.91–0.94. In the real 1.5B's forwards (paired shuffled
-// rounds, bitwise equal) the two together took 0.92–0.97 of the time at k = 7–16 in fast memory and 0.95–1.00 in
-// slow. More tiles (prefill, 19 rows and up) keep the L2 prefetch alone. Where L1 holds less than 48 KiB (Zen 4: 32
-// KiB, two chunks and nothing else) the first tile's own prefetch took 1.25–1.33× the time at 7–8 rows, and fetching
-// a chunk into L1 beside the one read is not measured: there every tile shares the next chunk's lines into L2.
+// How tiles that share chunks prefetch the next chunk. Over the 1.5B's 113 products (random weights, Zen 5 host, 48 KiB
+// L1, paired shuffled rounds binned by the memory's speed), the pass at 7–12 rows (two tiles) is bound by its memory
+// stream more than by its arithmetic: with the arithmetic taken out it still took 28–30 ms in fast memory, against 23
+// for 6 rows (one tile) and 20–21 for one row, and 21.9 with the second tile also skipped: the memory idles while the
+// second tile reads the chunk from L1. Two tiles that each fetch their half of the next chunk into L1 in memory order
+// took 0.89–0.91 of the time at 8–12 rows in fast memory and 0.93–0.97 in slow (into L2: 0.91–0.93 at 8 rows); with
+// three tiles that took 1.00–1.09 at 16 rows, but the first tile prefetching its own chunk as one-tile passes do, the
+// others sharing the next chunk's lines into L2, took 0.91–0.94. In the real 1.5B's forwards (paired shuffled rounds,
+// bitwise equal) the two together took 0.92–0.97 of the time at k = 7–16 in fast memory and 0.95–1.00 in slow. More
+// tiles (prefill, 19 rows and up) keep the L2 prefetch alone. Where L1 holds less than 48 KiB (Zen 4: 32 KiB, two
+// chunks and nothing else) the first tile's own prefetch took 1.25–1.33× the time at 7–8 rows, and fetching a chunk
+// into L1 beside the one read is not measured: there every tile shares the next chunk's lines into L2.
 const bool kChunksPrefetchIntoL1 = sysconf(_SC_LEVEL1_DCACHE_SIZE) >= (48 << 10);
 constexpr int kChunkLines = static_cast<int>(kChunkSteps * kStepBytes / 64);
 
@@ -260,6 +260,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   // all rows in one tile (up to kTileRows): its stream prefetched by the tile above the hardware's row limit
   const TileFn one_tile =
       row_tiles == 1 ? (m > kHardwarePrefetchMaxRows ? kOneTileOwnPrefetch : kOneTile)[m - 1] : nullptr;
+  // tiles sharing chunks (see kChunksPrefetchIntoL1): two fetch the next chunk's lines into L1, in memory order; of
+  // three, the first prefetches its own chunk; the others, and any more, share the next chunk's zmm lines into L2
+  const bool sequential_next = kChunksPrefetchIntoL1 && row_tiles == 2;
+  const bool first_tile_own_prefetch = kChunksPrefetchIntoL1 && row_tiles == 3;
+  const int next_parts = sequential_next ? kChunkLines : kPanelZmm;
   specdec::parallel_shares(blocks, [&](specdec::ShareCursor& cursor) {
     std::vector<__m512i> sums(row_tiles * kMaxAccumulators);  // each tile's [rows][64] int32 sums
     int32_t* acc = reinterpret_cast<int32_t*>(sums.data());
@@ -281,15 +286,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
         const int8_t* chunk_weights = panel + s0 * kStepBytes;
         const char* next = s0 + chunk < steps ? reinterpret_cast<const char*>(chunk_weights + chunk * kStepBytes) : next_panel;
         for (int64_t t = 0; t < row_tiles; ++t) {
-          // the tiles share the next chunk's lines out between them (see kChunksPrefetchIntoL1)
-          const bool own_prefetch = kChunksPrefetchIntoL1 && row_tiles == 3 && t == 0;
-          const bool sequential = kChunksPrefetchIntoL1 && row_tiles == 2;
-          const int parts = sequential ? kChunkLines : kPanelZmm;
-          const char* own = own_prefetch ? reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes) : nullptr;
-          const Prefetch prefetch{own, next, next ? static_cast<int>(t * parts / row_tiles) : 0,
-                                  next ? static_cast<int>((t + 1) * parts / row_tiles) : 0};
+          // the tiles share the next chunk's parts out between them
+          const bool own_prefetch = first_tile_own_prefetch && t == 0;
+          const char* own =
+              own_prefetch ? reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes) : nullptr;
+          const Prefetch prefetch{own, next, next ? static_cast<int>(t * next_parts / row_tiles) : 0,
+                                  next ? static_cast<int>((t + 1) * next_parts / row_tiles) : 0};
           const ChunkTiles& tiles =
-              sequential ? kChunkTilesSequentialNext : own_prefetch ? kChunkTilesOwnPrefetch : kChunkTiles;
+              sequential_next ? kChunkTilesSequentialNext : own_prefetch ? kChunkTilesOwnPrefetch : kChunkTiles;
           const int rows = static_cast<int>(tile_first[t + 1] - tile_first[t]);
           tiles[s0 > 0][rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride, row_stride, step_stride,
                                   chunk, chunk_weights, prefetch, acc + t * kMaxAccumulators * kLanes);
