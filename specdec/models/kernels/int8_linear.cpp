@@ -220,7 +220,7 @@ const ChunkTiles kChunkTilesSequentialNext = chunk_tiles_of<false, true>();
 // A panel's per-channel operands of store_rows (column sums, weight scales, bias) are read once a forward, so they
 // come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it store_rows took 3% of
 // the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with it 1% at k = 6; the
-// forwards took 0.96–0.98 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired shuffled rounds, fast
+// forwards took 0.96–1.00 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired shuffled rounds, fast
 // and slow memory, bitwise equal). Fetching the output rows' lines for writing as well: no better.
 void prefetch_epilogue(const int32_t* colsum, const float* weight_scale, const float* bias, int64_t col0, int64_t cols) {
   for (int64_t c = 0; c < cols; c += kLanes) {
