@@ -164,6 +164,10 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
 #pragma GCC unroll 4
     for (int j = 0; j < kPanelZmm; ++j)
       acc[m][j] = kResume ? _mm512_load_si512(acc_out + (m * kPanelZmm + j) * kLanes) : _mm512_setzero_si512();
+  // kSequentialNext: step s fetches the next chunk's lines [first + s · span / steps, first + (s + 1) · span / steps),
+  // counted with a carry instead of two divisions a step
+  const int64_t next_span = prefetch.next_end - prefetch.next_first;
+  int64_t next_line = prefetch.next_first, next_carry = 0;
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* step = panel + s * kStepBytes;
     if constexpr (kOwnPrefetch) {
@@ -171,9 +175,8 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
       for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
     }
     if constexpr (kSequentialNext) {
-      const int64_t span = prefetch.next_end - prefetch.next_first;
-      const int64_t first = prefetch.next_first + s * span / steps, end = prefetch.next_first + (s + 1) * span / steps;
-      for (int64_t line = first; line < end; ++line) _mm_prefetch(prefetch.next + line * 64, _MM_HINT_T0);
+      for (next_carry += next_span; next_carry >= steps; next_carry -= steps)
+        _mm_prefetch(prefetch.next + next_line++ * 64, _MM_HINT_T0);
     } else {
       for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
         _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
