@@ -40,13 +40,13 @@ constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when 
 // AVX-512 fetches 128 k-steps (8 KiB) ahead into L1, one prefetch a step. A core streams about 40 GB/s alone, what
 // each of the two must stream where memory is fastest, and there the stream and the arithmetic overlapped badly with
 // the former 24 steps into L1 and 256 into L2. One thread alone (slow memory, so the core bounds it, as both do in
-// fast memory), over the 1.5B's 113 products: 5–6 rows took 0.80–0.89 of the former time, 8 rows 0.91–0.97, 12–16
-// 0.94–1.01 (64 steps: 1.08–1.24× at 8–16 rows; 192: 0.84–0.92 at 5–6, 0.92–1.04 at 8–16). A plain stream with 8
-// fused multiply-adds a line, one thread: 27–29 ms a GiB with this prefetch, 31–33 with the former, 27–30 without
+// fast memory), over the 1.5B's 113 products: 5–6 rows took 0.80–0.90 of the former time, 8 rows 0.91–1.01, 12–16
+// 0.94–1.03 (64 steps: 1.08–1.24× at 8–16 rows; 192: 0.84–0.94 at 5–6, 0.90–1.04 at 8–16). A plain stream with 8
+// fused multiply-adds a line, one thread: 28–29 ms a GiB with this prefetch, 31–33 with the former, 27–30 without
 // the arithmetic. Real 1.5B forwards (with kPrefetch below; Zen 5 host, paired shuffled rounds, bitwise equal): the
 // former took 1.00–1.15× the time at k = 1–16 in fast memory (k = 6: 1.15), 1.01–1.07× in slow, 1.01–1.17× with
 // one thread. AVX2 builds keep the former, not measured against it. With it, 2–4 rows over one stream instead of four
-// took 0.90–0.98 of the time with one thread but 1.01–1.06× with two in slow memory: they keep four.
+// took 0.90–1.00 of the time with one thread but 1.01–1.06× with two in slow memory: they keep four.
 constexpr int64_t kPrefetchSteps = simd::kWide ? 128 : 24;
 constexpr int64_t kFarPrefetchSteps = simd::kWide ? 0 : 256;  // into L2; 0: none
 // AVX2 (measured on a Zen 4 host running the AVX2 build, the 1.5B's 113 products, 6 paired rounds): 2 / 3 rows over
