@@ -52,14 +52,17 @@ constexpr int64_t kPrefetchSteps = 24;
 // about as fast as a sum), and 4 rows 0.92–0.96 of the real 1.5B's forward time (paired shuffled rounds; 0.91–0.93
 // over its products alone), but 5–6 rows 1.00–1.08. On a Zen 5 host 4 rows run 0.87–0.91 of the time with the near
 // prefetch (the real 1.5B's forwards, shuffled A/B; 0.89 over its products alone), 5 rows 0.96–1.01 and 1–3 rows
-// 0.96–1.05: there 4 rows and more keep it, as on hosts not measured.
+// 0.96–1.05 in forwards of two threads. One thread alone in slow memory (where one core bounds the stream, as each of
+// the two does in fast memory; the 1.5B's 113 products, paired shuffled rounds): 3 rows with the near prefetch took
+// 0.94–0.97 of the time, 2 rows 1.04–1.07×; two threads in slow memory, 3 rows 0.99 (quartiles 0.97–1.02) of the real
+// 1.5B's forward time. So on Zen 5 3 rows and more keep it; on hosts not measured, 4 and more.
 int hardware_prefetch_max_rows() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 3;
   const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
   if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
   const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 20) & 0xFF);
-  return family == 0x19 ? 4 : 3;  // family 19h with AVX-512 VNNI (this kernel's): Zen 4
+  return family == 0x19 ? 4 : family == 0x1A ? 2 : 3;  // with AVX-512 VNNI (this kernel's): 19h Zen 4, 1Ah Zen 5
 }
 const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
 
