@@ -174,16 +174,15 @@ class VnniInt8Linear(Int8Linear):
 
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = kernels.int8_vnni()
-        self.packed, self.column_sums = self.kernel.pack(quantized)
+        self.packed = self.kernel.pack(quantized)
 
     @property
     def entry(self) -> NativeEntry:
-        operands = _operands(self.packed, self.column_sums, self.scale, bias=self.bias)
+        operands = _operands(self.packed, self.scale, bias=self.bias)
         return self.kernel.linear_entry, operands, self.out_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.column_sums, self.scale, self.bias,
-                               self.out_features)
+        y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
         return _shaped_like(y, x)
 
 

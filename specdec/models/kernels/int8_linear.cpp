@@ -3,8 +3,12 @@
 // y[m, n] = (Σ_k xq[m, k] · W[n, k]) · s_w[n] · s_x[m] + b[n], with xq = round(x / s_x) per row (s_x = max|x| / 127)
 // and exact int32 sums: a row's result never depends on the other rows (batch invariance).
 // Weights are packed once into panels of 64 output channels, k-step-major: [N / 64][K / 4][64][4] (four zmm of
-// vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h); activations are shifted to u8
-// (+128) for vpdpbusd, and 128 · Σ_k W[n, k] is subtracted back.
+// vpdpbusd per k-step, read as one sequential stream), on 2 MiB pages (huge_pages.h), shifted to u8 (+128), vpdpbusd's
+// unsigned operand; the activations stay s8, its signed one, and 128 · Σ_k xq[m, k] is subtracted back. So the
+// activations can be vpdpbusd's broadcast memory operand ({1to16}): a tile then holds no broadcast register and loads
+// each row's 4 bytes in the instruction. Passes of up to 8 rows, bound by the weight stream, take it (how and why:
+// kMemoryBroadcastMaxRows); more rows, bound by the arithmetic, broadcast each row's 4 bytes into a register once per
+// k-step.
 // Up to 6 rows form one tile of ≤ 24 accumulators (≤ 6 rows × 64 channels) that streams each panel once. More rows
 // take near-equal tiles of ≤ 6 rows that share each panel in chunks of 64 k-steps (16 KiB, held in L1): the first
 // tile streams a chunk from memory, the others read it from L1, their int32 sums waiting in a buffer between chunks
@@ -40,6 +44,15 @@ constexpr int64_t kStepBytes = kBlock * 4;  // one k-step (4 inputs) of a panel
 constexpr int kMaxAccumulators = 24;        // + the weights and a broadcast: within the 32 zmm
 constexpr int kTileRows = kMaxAccumulators / kPanelZmm;
 constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several tiles share from L1
+// Calls of up to this many rows take the activations as vpdpbusd's broadcast memory operand. Against a broadcast into
+// a register (the 1.5B's 113 products, random weights, one thread, where one core bounds the stream as each of the two
+// does in fast memory; paired shuffled rounds, bitwise equal; Zen 5 host): 0.98–0.99 of the time at one row,
+// 1.00 at 3–4 rows, 0.95–0.99 at 6 and 0.95–0.96 at 8; but 1.12–1.14× at 12 rows and 1.15–1.20× at 16, where the
+// arithmetic bounds the pass and the loads in every instruction slow it (from L1 alone, 6 rows over 1 GiB: 16.3 ms
+// against 12). This kernel against the one before it (u8 activations broadcast into registers; the same products,
+// paired, bitwise equal): two threads in fast memory 0.95–0.98 of the time at 3–12 rows and 1.00 at 1–2, in slow
+// memory 0.96–1.03; one thread 0.98–0.99 at 2–8 rows, 0.99–1.01 at 9–16.
+constexpr int64_t kMemoryBroadcastMaxRows = 8;
 // Ahead of the panel stream, into L1 (6 KiB). In the real 1.5B's forwards on a Zen 5 host (every product's kernel
 // swapped, paired shuffled rounds, 14–24 rounds a run), 24 steps instead of 8 took 0.81–0.90 of the time at 4–6 rows
 // in two runs (16: 0.85–0.98 in three, 32: 0.80–0.88 in two, 48: 0.84–0.91 in one) and 0.99–1.00 at 8–12 rows,
@@ -81,34 +94,30 @@ const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
 const bool kChunksPrefetchIntoL1 = sysconf(_SC_LEVEL1_DCACHE_SIZE) >= (48 << 10);
 constexpr int kChunkLines = static_cast<int>(kChunkSteps * kStepBytes / 64);
 
-// W [N, K] int8 → packed [Np / 64][Kp / 4][64][4], Np and Kp padded with zeros; returns (packed, colsum [Np] int32)
-std::vector<torch::Tensor> pack(torch::Tensor weight) {
+// W [N, K] int8 → packed [Np / 64][Kp / 4][64][4] of W + 128 as u8 (held in an int8 tensor), Np and Kp padded with
+// zero weights (128)
+torch::Tensor pack(torch::Tensor weight) {
   TORCH_CHECK(weight.dtype() == torch::kInt8 && weight.dim() == 2, "pack: int8 [N, K] weights expected");
   weight = weight.contiguous();
   const int64_t n = weight.size(0), k = weight.size(1);
   const int64_t np = (n + kBlock - 1) / kBlock * kBlock, kp = (k + 3) / 4 * 4;
   auto packed = specdec::zeros_on_huge_pages({np / kBlock, kp / 4, kBlock, 4}, torch::kInt8);
-  auto colsum = torch::zeros({np}, torch::kInt32);
+  packed.fill_(static_cast<int8_t>(INT8_MIN));  // the bits of u8 128: a zero weight
   const int8_t* w = weight.data_ptr<int8_t>();
-  int8_t* p = packed.data_ptr<int8_t>();
-  int32_t* s = colsum.data_ptr<int32_t>();
+  uint8_t* p = reinterpret_cast<uint8_t*>(packed.data_ptr<int8_t>());
   at::parallel_for(0, n, 64, [&](int64_t begin, int64_t end) {
     for (int64_t row = begin; row < end; ++row) {
       const int64_t block = row / kBlock, lane = row % kBlock;
-      int32_t sum = 0;
-      for (int64_t col = 0; col < k; ++col) {
-        const int8_t v = w[row * k + col];
-        p[((block * (kp / 4) + col / 4) * kBlock + lane) * 4 + col % 4] = v;
-        sum += v;
-      }
-      s[row] = sum;
+      for (int64_t col = 0; col < k; ++col)
+        p[((block * (kp / 4) + col / 4) * kBlock + lane) * 4 + col % 4] = static_cast<uint8_t>(w[row * k + col] + 128);
     }
   });
-  return {packed, colsum};
+  return packed;
 }
 
-// one row of x [K] float → u8 (value + 128) at out + (c / 4) · step_stride + c % 4, and its scale
-void quantize_row(const float* row, int64_t k, int64_t kp, int64_t step_stride, uint8_t* out, float* scale) {
+// one row of x [K] float → s8 at out + (c / 4) · step_stride + c % 4, its scale and the sum of its s8 values
+void quantize_row(const float* row, int64_t k, int64_t kp, int64_t step_stride, int8_t* out, float* scale,
+                  int32_t* sum) {
   __m512 vmax = _mm512_setzero_ps();
   int64_t c = 0;
   for (; c + 16 <= k; c += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
@@ -118,29 +127,37 @@ void quantize_row(const float* row, int64_t k, int64_t kp, int64_t step_stride, 
   *scale = s;
   c = 0;
   const __m512 vs = _mm512_set1_ps(s);
-  const __m512i shift = _mm512_set1_epi32(128);
+  __m512i sums = _mm512_setzero_si512();
   for (; c + 16 <= k; c += 16) {
     // x / s rounded to nearest even, as torch.round(x / s)
-    __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(row + c), vs));
+    const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(row + c), vs));
+    sums = _mm512_add_epi32(sums, q);
     alignas(16) uint32_t groups[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(groups), _mm512_cvtepi32_epi8(_mm512_add_epi32(q, shift)));
+    _mm_store_si128(reinterpret_cast<__m128i*>(groups), _mm512_cvtepi32_epi8(q));
     if (step_stride == 4) {
       std::memcpy(out + c, groups, 16);
     } else {
       for (int g = 0; g < 4; ++g) std::memcpy(out + (c / 4 + g) * step_stride, groups + g, 4);
     }
   }
-  for (; c < k; ++c) out[(c / 4) * step_stride + c % 4] = static_cast<uint8_t>(static_cast<int32_t>(std::nearbyint(row[c] / s)) + 128);
-  for (; c < kp; ++c) out[(c / 4) * step_stride + c % 4] = 128;
+  int32_t total = _mm512_reduce_add_epi32(sums);
+  for (; c < k; ++c) {
+    const auto q = static_cast<int32_t>(std::nearbyint(row[c] / s));
+    out[(c / 4) * step_stride + c % 4] = static_cast<int8_t>(q);
+    total += q;
+  }
+  for (; c < kp; ++c) out[(c / 4) * step_stride + c % 4] = 0;
+  *sum = total;
 }
 
 // rows of x [M, K] → xq with element (r, c) at r · row_stride + (c / 4) · step_stride + c % 4: k-step-major
 // (row_stride 4, step_stride 4M) when one tile takes all rows, so a k-step's broadcasts share a cache line, else
 // row-major (row_stride Kp, step_stride 4), so a tile's rows stay in few lines
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row_stride, int64_t step_stride,
-                   uint8_t* xq, float* scale) {
+                   int8_t* xq, float* scale, int32_t* sum) {
   at::parallel_for(0, m, 32, [&](int64_t begin, int64_t end) {  // split for prefill only
-    for (int64_t r = begin; r < end; ++r) quantize_row(x + r * k, k, kp, step_stride, xq + r * row_stride, scale + r);
+    for (int64_t r = begin; r < end; ++r)
+      quantize_row(x + r * k, k, kp, step_stride, xq + r * row_stride, scale + r, sum + r);
   });
 }
 
@@ -155,9 +172,10 @@ struct Prefetch {
 };
 
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
-// already in acc (kResume) or from zero
-template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext>
-void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
+// already in acc (kResume) or from zero; kMemoryBroadcast: each row's 4 bytes a k-step as vpdpbusd's broadcast memory
+// operand (GCC does not fold the broadcast into the instruction itself), else broadcast into a register
+template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast>
+void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
@@ -187,12 +205,18 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
     __m512i w[kPanelZmm];
 #pragma GCC unroll 4
     for (int j = 0; j < kPanelZmm; ++j) w[j] = _mm512_loadu_si512(step + j * 64);
-    const uint8_t* a_step = xq + s * step_stride;
+    const int8_t* a_step = xq + s * step_stride;
 #pragma GCC unroll 32
     for (int m = 0; m < MR; ++m) {
-      const __m512i a = _mm512_set1_epi32(*reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride)));
+      const auto* a = reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride));
+      if constexpr (kMemoryBroadcast) {
 #pragma GCC unroll 4
-      for (int j = 0; j < kPanelZmm; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], a, w[j]);
+        for (int j = 0; j < kPanelZmm; ++j) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[m][j]) : "v"(w[j]), "m"(*a));
+      } else {
+        const __m512i broadcast = _mm512_set1_epi32(*a);
+#pragma GCC unroll 4
+        for (int j = 0; j < kPanelZmm; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], w[j], broadcast);
+      }
     }
   }
 #pragma GCC unroll 32
@@ -201,52 +225,54 @@ void micro_tile(const uint8_t* xq, int64_t row_stride, int64_t step_stride, int6
     for (int j = 0; j < kPanelZmm; ++j) _mm512_store_si512(acc_out + (m * kPanelZmm + j) * kLanes, acc[m][j]);
 }
 
-using TileFn = void (*)(const uint8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
+using TileFn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
 
 using ChunkTiles = std::array<std::array<TileFn, kTileRows>, 2>;  // [resumed][rows − 1]
 
-template <bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, int... MR>
+template <bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch, kSequentialNext>...};
+  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>...};
 }
-template <bool kOwnPrefetch, bool kSequentialNext>
+template <bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast>
 constexpr ChunkTiles chunk_tiles_of() {
   constexpr auto rows = std::make_integer_sequence<int, kTileRows>{};
-  return {tiles_of<false, false, kOwnPrefetch, kSequentialNext>(rows),
-          tiles_of<false, true, kOwnPrefetch, kSequentialNext>(rows)};
+  return {tiles_of<false, false, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows),
+          tiles_of<false, true, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows)};
 }
-// tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile;
-// several tiles, row-major, over a chunk's first k-step or resuming their sums
-const auto kOneTile = tiles_of<true, false, false, false>(std::make_integer_sequence<int, kTileRows>{});
-const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false>(std::make_integer_sequence<int, kTileRows>{});
-const ChunkTiles kChunkTiles = chunk_tiles_of<false, false>();
-const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false>();
-const ChunkTiles kChunkTilesSequentialNext = chunk_tiles_of<false, true>();
+// tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile
+// (up to kMemoryBroadcastMaxRows rows: activations as the memory operand); several tiles, row-major, over a chunk's
+// first k-step or resuming their sums, [activations as the memory operand]
+const auto kOneTile = tiles_of<true, false, false, false, true>(std::make_integer_sequence<int, kTileRows>{});
+const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false, true>(std::make_integer_sequence<int, kTileRows>{});
+const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<false, false, false>(), chunk_tiles_of<false, false, true>()};
+const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false, false>();  // 13 rows and more
+const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<false, true, false>(),
+                                                             chunk_tiles_of<false, true, true>()};
 
-// A panel's per-channel operands of store_rows (column sums, weight scales, bias) are read once a forward, so they
-// come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it store_rows took 3% of
+// A panel's per-channel operands of store_rows (weight scales, bias; then also column sums) are read once a forward,
+// so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it store_rows took 3% of
 // the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with it 1% at k = 6; the
 // forwards took 0.96–1.00 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired shuffled rounds, fast
 // and slow memory, bitwise equal). Fetching the output rows' lines for writing as well: no better.
-void prefetch_epilogue(const int32_t* colsum, const float* weight_scale, const float* bias, int64_t col0, int64_t cols) {
+void prefetch_epilogue(const float* weight_scale, const float* bias, int64_t col0, int64_t cols) {
   for (int64_t c = 0; c < cols; c += kLanes) {
-    _mm_prefetch(reinterpret_cast<const char*>(colsum + col0 + c), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(weight_scale + col0 + c), _MM_HINT_T0);
     if (bias) _mm_prefetch(reinterpret_cast<const char*>(bias + col0 + c), _MM_HINT_T0);
   }
 }
 
-// y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64]
-void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* colsum,
+// y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64] (of the u8
+// weights: less 128 · the row's sum)
+void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* row_sum,
                 const float* weight_scale, const float* row_scale, const float* bias, float* out, int64_t n) {
   for (int r = 0; r < rows; ++r) {
     const __m512 rs = _mm512_set1_ps(row_scale[m0 + r]);
+    const __m512i shift = _mm512_set1_epi32(row_sum[m0 + r] * 128);
     float* dst = out + (m0 + r) * n + col0;
     for (int64_t c = 0; c < cols; c += kLanes) {
       const int64_t col = col0 + c;
       const __mmask16 mask = cols - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (cols - c)) - 1);
-      const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(acc + r * kBlock + c),
-                                            _mm512_slli_epi32(_mm512_maskz_loadu_epi32(mask, colsum + col), 7));
+      const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(acc + r * kBlock + c), shift);
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, weight_scale + col)), rs);
       if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
       _mm512_mask_storeu_ps(dst + c, mask, v);
@@ -255,8 +281,8 @@ void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t 
 }
 
 // x [M, K] float32 → y [M, N] float32
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum, torch::Tensor weight_scale,
-                     c10::optional<torch::Tensor> bias, int64_t n) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale, c10::optional<torch::Tensor> bias,
+                     int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8 linear: float32 [M, K] input expected");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), steps = packed.size(1), kp = steps * 4, blocks = packed.size(0);
@@ -264,15 +290,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
-  std::unique_ptr<uint8_t[]> xq(new uint8_t[m * kp]);  // not zeroed: quantize_rows writes every byte
+  std::unique_ptr<int8_t[]> xq(new int8_t[m * kp]);  // not zeroed: quantize_rows writes every byte
   std::vector<float> row_scale(m);
+  std::vector<int32_t> row_sum(m);
   const int64_t row_stride = row_tiles == 1 ? 4 : kp, step_stride = row_tiles == 1 ? m * 4 : 4;
-  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data());
+  quantize_rows(x.data_ptr<float>(), m, k, kp, row_stride, step_stride, xq.get(), row_scale.data(), row_sum.data());
   std::vector<int64_t> tile_first(row_tiles + 1, 0);  // near-equal tiles: tile t holds rows [first[t], first[t + 1])
   for (int64_t t = 0; t < row_tiles; ++t)
     tile_first[t + 1] = tile_first[t] + (m - tile_first[t] + row_tiles - t - 1) / (row_tiles - t);
   const int8_t* p = packed.data_ptr<int8_t>();
-  const int32_t* cs = colsum.data_ptr<int32_t>();
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
@@ -283,6 +309,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
   // three, the first prefetches its own chunk; the others, and any more, share the next chunk's zmm lines into L2
   const bool sequential_next = kChunksPrefetchIntoL1 && row_tiles == 2;
   const bool first_tile_own_prefetch = kChunksPrefetchIntoL1 && row_tiles == 3;
+  const bool memory_broadcast = m <= kMemoryBroadcastMaxRows;
   const int next_parts = sequential_next ? kChunkLines : kPanelZmm;
   specdec::parallel_shares(blocks, [&](specdec::ShareCursor& cursor) {
     std::vector<__m512i> sums(row_tiles * kMaxAccumulators);  // each tile's [rows][64] int32 sums
@@ -294,11 +321,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
       // a thread's own panels follow one another in memory: one stream
       const char* next_panel = own && nb + 1 < blocks ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
       const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
-      prefetch_epilogue(cs, ws, b, nb * kBlock, cols);
+      prefetch_epilogue(ws, b, nb * kBlock, cols);
       if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher for few rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
         one_tile(xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
-        store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
+        store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n);
         continue;
       }
       for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
@@ -312,8 +339,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
               own_prefetch ? reinterpret_cast<const char*>(chunk_weights + kPrefetchSteps * kStepBytes) : nullptr;
           const Prefetch prefetch{own, next, next ? static_cast<int>(t * next_parts / row_tiles) : 0,
                                   next ? static_cast<int>((t + 1) * next_parts / row_tiles) : 0};
-          const ChunkTiles& tiles =
-              sequential_next ? kChunkTilesSequentialNext : own_prefetch ? kChunkTilesOwnPrefetch : kChunkTiles;
+          const ChunkTiles& tiles = sequential_next ? kChunkTilesSequentialNext[memory_broadcast]
+                                    : own_prefetch  ? kChunkTilesOwnPrefetch
+                                                    : kChunkTiles[memory_broadcast];
           const int rows = static_cast<int>(tile_first[t + 1] - tile_first[t]);
           tiles[s0 > 0][rows - 1](xq.get() + tile_first[t] * row_stride + s0 * step_stride, row_stride, step_stride,
                                   chunk, chunk_weights, prefetch, acc + t * kMaxAccumulators * kLanes);
@@ -321,17 +349,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor colsum
       }
       for (int64_t t = 0; t < row_tiles; ++t)
         store_rows(acc + t * kMaxAccumulators * kLanes, static_cast<int>(tile_first[t + 1] - tile_first[t]),
-                   tile_first[t], nb * kBlock, cols, cs, ws, row_scale.data(), b, out, n);
+                   tile_first[t], nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n);
     }
   });
   return y;
 }
 
-// the layer loop's entry (kernel_entry.h): operands {packed, column sums, weight scales[, bias]}
+// the layer loop's entry (kernel_entry.h): operands {packed, weight scales[, bias]}
 torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
-  TORCH_CHECK(operands.size() == 3 || operands.size() == 4, "int8 linear: operands {packed, colsum, scale[, bias]} expected");
-  return linear(x, operands[0], operands[1], operands[2],
-                operands.size() == 4 ? c10::optional<torch::Tensor>(operands[3]) : c10::nullopt, n);
+  TORCH_CHECK(operands.size() == 2 || operands.size() == 3, "int8 linear: operands {packed, scale[, bias]} expected");
+  return linear(x, operands[0], operands[1], operands.size() == 3 ? c10::optional<torch::Tensor>(operands[2]) : c10::nullopt,
+                n);
 }
 
 }  // namespace
