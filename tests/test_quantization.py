@@ -108,11 +108,12 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)
-@pytest.mark.parametrize("rows", [1, 9, 15, 64])
+@pytest.mark.parametrize("rows", [1, 8, 9, 15, 64])
 def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
-    """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones; 9, 15 and
-    64 rows take (in the VNNI kernel) two, three and more tiles that share the weights in chunks of K, each count
-    prefetching the next chunk its own way."""
+    """A model-sized matrix (3 MiB of int8 weights) is packed on 2 MiB pages and computes as on small ones; 8, 9, 15
+    and 64 rows take (in the VNNI kernel) two, two, three and more tiles that share the weights in chunks of K, each
+    count prefetching the next chunk its own way, and 8 rows still read their activations as the instructions' memory
+    operand, 9 from a register."""
     g = torch.Generator().manual_seed(3)
     weight, bias = torch.randn(2048, 1536, generator=g) * 0.05, torch.randn(2048, generator=g)
     x = torch.randn(rows, 1536, generator=g)
