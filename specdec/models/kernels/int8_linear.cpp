@@ -239,9 +239,9 @@ constexpr ChunkTiles chunk_tiles_of() {
   return {tiles_of<false, false, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows),
           tiles_of<false, true, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows)};
 }
-// tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile
-// (up to kMemoryBroadcastMaxRows rows: activations as the memory operand); several tiles, row-major, over a chunk's
-// first k-step or resuming their sums, [activations as the memory operand]
+// tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile,
+// the activations as the memory operand (6 ≤ kMemoryBroadcastMaxRows); several tiles, row-major, over a chunk's first
+// k-step or resuming their sums, indexed by whether the activations are the memory operand
 const auto kOneTile = tiles_of<true, false, false, false, true>(std::make_integer_sequence<int, kTileRows>{});
 const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false, true>(std::make_integer_sequence<int, kTileRows>{});
 const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<false, false, false>(), chunk_tiles_of<false, false, true>()};
@@ -249,9 +249,9 @@ const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false, false>(); 
 const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<false, true, false>(),
                                                              chunk_tiles_of<false, true, true>()};
 
-// A panel's per-channel operands of store_rows (weight scales, bias; then also column sums) are read once a forward,
-// so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it store_rows took 3% of
-// the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with it 1% at k = 6; the
+// A panel's per-channel operands of store_rows (weight scales, bias; when measured, column sums too) are read once a
+// forward, so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it
+// store_rows took 3% of the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with it 1% at k = 6; the
 // forwards took 0.96–1.00 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired shuffled rounds, fast
 // and slow memory, bitwise equal). Fetching the output rows' lines for writing as well: no better.
 void prefetch_epilogue(const float* weight_scale, const float* bias, int64_t col0, int64_t cols) {
