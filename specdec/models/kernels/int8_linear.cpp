@@ -53,6 +53,8 @@ constexpr int64_t kChunkSteps = 64;         // k-steps of a panel that several t
 // paired, bitwise equal): two threads in fast memory 0.95–0.98 of the time at 3–12 rows and 1.00 at 1–2, in slow
 // memory 0.96–1.03; one thread 0.98–0.99 at 2–8 rows, 0.99–1.01 at 9–16.
 constexpr int64_t kMemoryBroadcastMaxRows = 8;
+// one-tile calls always take the memory operand, calls of three tiles or more never (their tables hold only that)
+static_assert(kTileRows <= kMemoryBroadcastMaxRows && kMemoryBroadcastMaxRows <= 2 * kTileRows);
 // Ahead of the panel stream, into L1 (6 KiB). In the real 1.5B's forwards on a Zen 5 host (every product's kernel
 // swapped, paired shuffled rounds, 14–24 rounds a run), 24 steps instead of 8 took 0.81–0.90 of the time at 4–6 rows
 // in two runs (16: 0.85–0.98 in three, 32: 0.80–0.88 in two, 48: 0.84–0.91 in one) and 0.99–1.00 at 8–12 rows,
