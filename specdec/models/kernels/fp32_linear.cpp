@@ -31,22 +31,30 @@ constexpr int kMaxAccumulators = simd::kWide ? 24 : 6;  // + NR weights and a br
 constexpr int kMaxPanels = 4;                           // the most panels a tile reads
 constexpr int kFewRowPanels = simd::kWide ? 4 : 2;      // panels per tile below kOneStreamRows rows
 constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when the rows need several tiles
-// Calls of five rows and more prefetch their streams into L1 (up to 24 rows that is one stream per tile; more rows,
-// prefill chunks, read four): without it, 16 rows (where the arithmetic takes as long as the stream) ran ~20% slower,
-// the stream stalling behind the arithmetic. Calls of fewer rows read four streams and leave them to the hardware
-// prefetcher. On a Zen 5 host, in the real 1.5B's forwards (every product's kernel swapped, paired shuffled rounds),
-// 5–12 rows took 0.69–1.03 of the time over one prefetched stream that they took over 2–4 streams (5: 0.81–1.00, 8:
-// 0.69–0.89, 12: 0.98–1.03); 1–4 rows took 0.88–1.07, so they keep four streams.
-// AVX-512 fetches 128 k-steps (8 KiB) ahead into L1, one prefetch a step. A core streams about 40 GB/s alone, what
-// each of the two must stream where memory is fastest, and there the stream and the arithmetic overlapped badly with
-// the former 24 steps into L1 and 256 into L2. One thread alone (slow memory, so the core bounds it, as both do in
-// fast memory), over the 1.5B's 113 products: 5–6 rows took 0.80–0.90 of the former time, 8 rows 0.91–1.01, 12–16
-// 0.94–1.03 (64 steps: 1.08–1.24× at 8–16 rows; 192: 0.84–0.94 at 5–6, 0.90–1.04 at 8–16). A plain stream with 8
-// fused multiply-adds a line, one thread: 28–29 ms a GiB with this prefetch, 31–33 with the former, 27–30 without
-// the arithmetic. Real 1.5B forwards (with kPrefetch below; Zen 5 host, paired shuffled rounds, bitwise equal): the
-// former took 1.00–1.15× the time at k = 1–16 in fast memory (k = 6: 1.15), 1.01–1.07× in slow, 1.01–1.17× with
-// one thread. AVX2 builds keep the former, not measured against it. With it, 2–4 rows over one stream instead of four
-// took 0.90–1.00 of the time with one thread but 1.01–1.06× with two in slow memory: they keep four.
+// Calls of five rows and more read one stream per tile (up to 24 rows; more rows, prefill chunks, read four): on a Zen
+// 5 host, in the real 1.5B's forwards (every product's kernel swapped, paired shuffled rounds), 5–12 rows took
+// 0.69–1.03 of the time over one prefetched stream that they took over 2–4 streams (5: 0.81–1.00, 8: 0.69–0.89, 12:
+// 0.98–1.03); 1–4 rows keep four streams: over one, they took 0.90–1.00 of the time with one thread but 1.01–1.06×
+// with two in slow memory.
+// Calls of kPrefetchMinRows rows and more prefetch their streams into L1: without it, 16 rows (where the arithmetic
+// takes as long as the stream) ran ~20% slower, the stream stalling behind the arithmetic. One row leaves its four
+// streams to the hardware prefetcher.
+// AVX-512 fetches kPrefetchSteps = 128 k-steps (8 KiB) ahead into L1, one prefetch a step and stream. A core streams
+// about 40 GB/s alone, what each of the two must stream where memory is fastest, and there the stream and the
+// arithmetic overlapped badly with the former 24 steps into L1 and 256 into L2. One thread alone (slow memory, so the
+// core bounds it, as both do in fast memory), over the 1.5B's 113 products: 5–6 rows took 0.80–0.90 of the former
+// time, 8 rows 0.91–1.01, 12–16 0.94–1.03 (64 steps: 1.08–1.24× at 8–16 rows; 192: 0.84–0.94 at 5–6, 0.90–1.04 at
+// 8–16). A plain stream with 8 fused multiply-adds a line, one thread: 28–29 ms a GiB with this prefetch, 31–33 with
+// the former, 27–30 without the arithmetic. Real 1.5B forwards (Zen 5 host, paired shuffled rounds, bitwise equal):
+// the former took 1.00–1.15× the time at k = 1–16 in fast memory (k = 6: 1.15), 1.01–1.07× in slow, 1.01–1.17× with
+// one thread. AVX2 builds keep the former, not measured against it.
+// A call of 2–4 rows (one tile over four streams) fetches those 128 steps over its four streams, 32 ahead on each. Its
+// sixteen multiply-adds a k-step held back the hardware prefetcher: against leaving its streams to it (real 1.5B
+// forwards, Zen 5 host, paired shuffled rounds, bitwise equal), one thread took 0.96–0.97 of the time at k = 2–4, two
+// threads in slow memory 0.99–1.01. A prefill chunk's first tile keeps 128 steps ahead on each of its four streams (32
+// each: 0.96 of the time at 32 rows, but 1.04–1.05× at 256–512). 5–8 rows over four (or three) streams prefetched so:
+// 1.00–1.03× the time at 5–6 rows, 0.97–0.98 at 7–8 (one thread), so they keep one.
+constexpr int kPrefetchMinRows = simd::kWide ? 2 : 4;
 constexpr int64_t kPrefetchSteps = simd::kWide ? 128 : 24;
 constexpr int64_t kFarPrefetchSteps = simd::kWide ? 0 : 256;  // into L2; 0: none
 // AVX2 (measured on a Zen 4 host running the AVX2 build, the 1.5B's 113 products, 6 paired rounds): 2 / 3 rows over
@@ -72,9 +80,10 @@ torch::Tensor pack(torch::Tensor weight) {
 
 // acc [MR][NR] over k-steps [0, steps) of rows xt[s · x_stride + m] and panels panel + j · panel_stride; starts from
 // zero or from the partial sums in y (row stride n); leaves the sums in y, masked to the `width` valid channels.
-// kPrefetch is a template argument: as a run-time flag GCC tested it at every k-step, and one row (four streams, one
-// multiply-add a line) took 1.06–1.17× the time it takes without the test (one thread, the 1.5B's products).
-template <int MR, int NR, bool kPrefetch>
+// Each stream prefetched kAhead k-steps ahead (0: none). It is a template argument: as a run-time flag GCC tested it
+// at every k-step, and one row (four streams, one multiply-add a line) took 1.06–1.17× the time it takes without the
+// test (one thread, the 1.5B's products).
+template <int MR, int NR, int64_t kAhead>
 void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* panel, int64_t panel_stride,
                 bool resume, float* y, int64_t n, int64_t width) {
   simd::Vec acc[MR][NR];
@@ -87,11 +96,11 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) acc[m][j] = resume ? simd::load(mask[j], y + m * n + j * kLanes) : simd::zero();
   for (int64_t s = 0; s < steps; ++s) {
-    if constexpr (kPrefetch) {
+    if constexpr (kAhead > 0) {
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         const float* stream = panel + j * panel_stride;
-        _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kPrefetchSteps) * kLanes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kAhead) * kLanes), _MM_HINT_T0);
         if constexpr (kFarPrefetchSteps > 0)
           _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kFarPrefetchSteps) * kLanes), _MM_HINT_T1);
       }
@@ -115,29 +124,35 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, bool, float*, int64_t, int64_t);
 
-template <int NR, bool kPrefetch, int... MR>
+template <int NR, int64_t kAhead, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, NR, kPrefetch>...};
+  return {&micro_tile<MR + 1, NR, kAhead>...};
+}
+// how far a tile of NR panels prefetches each: kPrefetchSteps (one stream's, or each of a prefill chunk's first tile)
+// or, kSpread, kPrefetchSteps in all over the NR streams
+constexpr int64_t prefetch_ahead(bool prefetch, bool spread, int nr) {
+  return !prefetch ? 0 : spread ? kPrefetchSteps / nr : kPrefetchSteps;
 }
 // tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel; 1 … kMaxRowsOverPanels rows over 2 … 4 (fewer
 // than four: the last panels of a call); the rest unused
 constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
 using Tiles = std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels>;
-template <bool kPrefetch>
+template <bool kPrefetch, bool kSpread>
 Tiles tiles_prefetching() {
   Tiles tiles{};
-  const auto t1 = tiles_of<1, kPrefetch>(std::make_integer_sequence<int, kMaxAccumulators>{});
-  const auto t2 = tiles_of<2, kPrefetch>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t3 = tiles_of<3, kPrefetch>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t4 = tiles_of<4, kPrefetch>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t1 = tiles_of<1, prefetch_ahead(kPrefetch, kSpread, 1)>(std::make_integer_sequence<int, kMaxAccumulators>{});
+  const auto t2 = tiles_of<2, prefetch_ahead(kPrefetch, kSpread, 2)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t3 = tiles_of<3, prefetch_ahead(kPrefetch, kSpread, 3)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t4 = tiles_of<4, prefetch_ahead(kPrefetch, kSpread, 4)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   std::copy(t1.begin(), t1.end(), tiles[0].begin());
   std::copy(t2.begin(), t2.end(), tiles[1].begin());
   std::copy(t3.begin(), t3.end(), tiles[2].begin());
   std::copy(t4.begin(), t4.end(), tiles[3].begin());
   return tiles;
 }
-const Tiles kTiles = tiles_prefetching<false>();
-const Tiles kPrefetchingTiles = tiles_prefetching<true>();
+const Tiles kTiles = tiles_prefetching<false, false>();
+const Tiles kPrefetchingTiles = tiles_prefetching<true, false>();  // prefill chunks' first tiles
+const Tiles kSpreadPrefetchingTiles = tiles_prefetching<true, true>();  // calls of one tile
 
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
@@ -168,7 +183,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
         const int64_t steps = std::min(chunk, k - k0);
         for (int64_t t = 0; t < row_tiles; ++t) {
           const int64_t m0 = t * max_rows, mr = std::min(max_rows, m - m0);
-          const Tiles& tiles = t == 0 && m >= kOneStreamRows ? kPrefetchingTiles : kTiles;
+          const Tiles& tiles = t > 0 || m < kPrefetchMinRows ? kTiles
+                               : row_tiles == 1    ? kSpreadPrefetchingTiles
+                                                   : kPrefetchingTiles;
           tiles[panels_here - 1][mr - 1](a + t * k * x_stride + k0 * x_stride, x_stride, steps,
                                          p + (g * nr * k + k0) * kLanes, k * kLanes, k0 > 0, out + m0 * n + col, n, width);
         }
