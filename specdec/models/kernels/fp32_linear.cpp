@@ -48,12 +48,13 @@ constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when 
 // the former, 27–30 without the arithmetic. Real 1.5B forwards (Zen 5 host, paired shuffled rounds, bitwise equal):
 // the former took 1.00–1.15× the time at k = 1–16 in fast memory (k = 6: 1.15), 1.01–1.07× in slow, 1.01–1.17× with
 // one thread. AVX2 builds keep the former, not measured against it.
-// A call of 2–4 rows (one tile over four streams) fetches those 128 steps over its four streams, 32 ahead on each. Its
-// sixteen multiply-adds a k-step held back the hardware prefetcher: against leaving its streams to it (real 1.5B
-// forwards, Zen 5 host, paired shuffled rounds, bitwise equal), one thread took 0.96–0.97 of the time at k = 2–4, two
-// threads in slow memory 0.99–1.01. A prefill chunk's first tile keeps 128 steps ahead on each of its four streams (32
-// each: 0.96 of the time at 32 rows, but 1.04–1.05× at 256–512). 5–8 rows over four (or three) streams prefetched so:
-// 1.00–1.03× the time at 5–6 rows, 0.97–0.98 at 7–8 (one thread), so they keep one.
+// A call of 2–4 rows (one tile over four streams) fetches those 128 steps over its four streams, 32 ahead on each: its
+// 8–16 multiply-adds a k-step held the hardware prefetcher back. Against leaving the streams to it (real 1.5B forwards,
+// Zen 5 host, paired shuffled rounds, bitwise equal): one thread 0.96–0.99 of the time at k = 2 and 0.94–0.95 at 3–4;
+// two threads in fast memory 0.99–1.01 at k = 2 and 0.95–0.98 at 3–4, in slow memory 0.99–1.01 at k = 1–4. A prefill
+// chunk's first tile keeps 128 steps ahead on each of its four streams (32 each: 0.95–0.96 of the time at 32 rows,
+// but 1.04–1.05× at 256–512). 5–8 rows over four (or three) streams prefetched so: 1.00–1.03× the time at 5–6 rows,
+// 0.97–0.98 at 7–8 (one thread), so they keep one.
 constexpr int kPrefetchMinRows = simd::kWide ? 2 : 4;
 constexpr int64_t kPrefetchSteps = simd::kWide ? 128 : 24;
 constexpr int64_t kFarPrefetchSteps = simd::kWide ? 0 : 256;  // into L2; 0: none
