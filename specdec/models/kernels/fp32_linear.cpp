@@ -129,31 +129,32 @@ template <int NR, int64_t kAhead, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
   return {&micro_tile<MR + 1, NR, kAhead>...};
 }
-// how far a tile of NR panels prefetches each: kPrefetchSteps (one stream's, or each of a prefill chunk's first tile)
-// or, kSpread, kPrefetchSteps in all over the NR streams
-constexpr int64_t prefetch_ahead(bool prefetch, bool spread, int nr) {
-  return !prefetch ? 0 : spread ? kPrefetchSteps / nr : kPrefetchSteps;
+// How a table's tiles prefetch: not at all; kPrefetchSteps ahead on each stream (a prefill chunk's first tile); or
+// kPrefetchSteps ahead in all, spread over the tile's streams (calls of one tile: one stream that far, four 32 each)
+enum class Fetch { kNone, kEachStream, kSpread };
+constexpr int64_t steps_ahead(Fetch fetch, int nr) {
+  return fetch == Fetch::kNone ? 0 : fetch == Fetch::kSpread ? kPrefetchSteps / nr : kPrefetchSteps;
 }
 // tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel; 1 … kMaxRowsOverPanels rows over 2 … 4 (fewer
 // than four: the last panels of a call); the rest unused
 constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
 using Tiles = std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels>;
-template <bool kPrefetch, bool kSpread>
-Tiles tiles_prefetching() {
+template <Fetch kFetch>
+Tiles tiles_fetching() {
   Tiles tiles{};
-  const auto t1 = tiles_of<1, prefetch_ahead(kPrefetch, kSpread, 1)>(std::make_integer_sequence<int, kMaxAccumulators>{});
-  const auto t2 = tiles_of<2, prefetch_ahead(kPrefetch, kSpread, 2)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t3 = tiles_of<3, prefetch_ahead(kPrefetch, kSpread, 3)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t4 = tiles_of<4, prefetch_ahead(kPrefetch, kSpread, 4)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t1 = tiles_of<1, steps_ahead(kFetch, 1)>(std::make_integer_sequence<int, kMaxAccumulators>{});
+  const auto t2 = tiles_of<2, steps_ahead(kFetch, 2)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t3 = tiles_of<3, steps_ahead(kFetch, 3)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t4 = tiles_of<4, steps_ahead(kFetch, 4)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   std::copy(t1.begin(), t1.end(), tiles[0].begin());
   std::copy(t2.begin(), t2.end(), tiles[1].begin());
   std::copy(t3.begin(), t3.end(), tiles[2].begin());
   std::copy(t4.begin(), t4.end(), tiles[3].begin());
   return tiles;
 }
-const Tiles kTiles = tiles_prefetching<false, false>();
-const Tiles kPrefetchingTiles = tiles_prefetching<true, false>();  // prefill chunks' first tiles
-const Tiles kSpreadPrefetchingTiles = tiles_prefetching<true, true>();  // calls of one tile
+const Tiles kTiles = tiles_fetching<Fetch::kNone>();
+const Tiles kEachStreamTiles = tiles_fetching<Fetch::kEachStream>();
+const Tiles kSpreadTiles = tiles_fetching<Fetch::kSpread>();
 
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
@@ -175,6 +176,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   const float* p = packed.data_ptr<float>();
   float* out = y.data_ptr<float>();
   const int64_t chunk = row_tiles == 1 ? k : kChunkSteps, groups = (panels + nr - 1) / nr;
+  // the first (or only) tile of each chunk prefetches the panels' streams; the others read them from cache
+  const Tiles& first_tiles = m < kPrefetchMinRows ? kTiles : row_tiles == 1 ? kSpreadTiles : kEachStreamTiles;
   specdec::parallel_shares(groups, [&](specdec::ShareCursor& cursor) {
     int64_t g;
     while (cursor.next(g)) {
@@ -184,9 +187,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
         const int64_t steps = std::min(chunk, k - k0);
         for (int64_t t = 0; t < row_tiles; ++t) {
           const int64_t m0 = t * max_rows, mr = std::min(max_rows, m - m0);
-          const Tiles& tiles = t > 0 || m < kPrefetchMinRows ? kTiles
-                               : row_tiles == 1    ? kSpreadPrefetchingTiles
-                                                   : kPrefetchingTiles;
+          const Tiles& tiles = t == 0 ? first_tiles : kTiles;
           tiles[panels_here - 1][mr - 1](a + t * k * x_stride + k0 * x_stride, x_stride, steps,
                                          p + (g * nr * k + k0) * kLanes, k * kLanes, k0 > 0, out + m0 * n + col, n, width);
         }

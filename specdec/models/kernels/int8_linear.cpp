@@ -246,16 +246,18 @@ constexpr ChunkTiles chunk_tiles_of() {
 // k-step or resuming their sums, indexed by whether the activations are the memory operand
 const auto kOneTile = tiles_of<true, false, false, false, true>(std::make_integer_sequence<int, kTileRows>{});
 const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false, true>(std::make_integer_sequence<int, kTileRows>{});
-const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<false, false, false>(), chunk_tiles_of<false, false, true>()};
+const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<false, false, false>(),
+                                               chunk_tiles_of<false, false, true>()};
 const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false, false>();  // 13 rows and more
 const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<false, true, false>(),
                                                              chunk_tiles_of<false, true, true>()};
 
 // A panel's per-channel operands of store_rows (weight scales, bias; when measured, column sums too) are read once a
 // forward, so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it
-// store_rows took 3% of the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with it 1% at k = 6; the
-// forwards took 0.96–1.00 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired shuffled rounds, fast
-// and slow memory, bitwise equal). Fetching the output rows' lines for writing as well: no better.
+// store_rows took 3% of the samples of a real 1.5B int8 forward at k = 1 and 5–6% at k = 6–12 (perf, cpu-clock), with
+// it 1% at k = 6; the forwards took 0.96–1.00 of the time at k = 6–16 and 0.96–1.01 at k = 1–4 (Zen 5 host, paired
+// shuffled rounds, fast and slow memory, bitwise equal). Fetching the output rows' lines for writing as well: no
+// better.
 void prefetch_epilogue(const float* weight_scale, const float* bias, int64_t col0, int64_t cols) {
   for (int64_t c = 0; c < cols; c += kLanes) {
     _mm_prefetch(reinterpret_cast<const char*>(weight_scale + col0 + c), _MM_HINT_T0);
@@ -283,8 +285,8 @@ void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t 
 }
 
 // x [M, K] float32 → y [M, N] float32
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale, c10::optional<torch::Tensor> bias,
-                     int64_t n) {
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
+                     c10::optional<torch::Tensor> bias, int64_t n) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8 linear: float32 [M, K] input expected");
   x = x.contiguous();
   const int64_t m = x.size(0), k = x.size(1), steps = packed.size(1), kp = steps * 4, blocks = packed.size(0);
@@ -360,8 +362,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
 // the layer loop's entry (kernel_entry.h): operands {packed, weight scales[, bias]}
 torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
   TORCH_CHECK(operands.size() == 2 || operands.size() == 3, "int8 linear: operands {packed, scale[, bias]} expected");
-  return linear(x, operands[0], operands[1], operands.size() == 3 ? c10::optional<torch::Tensor>(operands[2]) : c10::nullopt,
-                n);
+  const auto bias = operands.size() == 3 ? c10::optional<torch::Tensor>(operands[2]) : c10::nullopt;
+  return linear(x, operands[0], operands[1], bias, n);
 }
 
 }  // namespace
