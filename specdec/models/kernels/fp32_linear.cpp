@@ -7,8 +7,8 @@
 // a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR
 // accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
 // k-major (x transposed once), so a k-step's broadcasts share a line.
-// AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1), so every weight is read from memory
-// once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial
+// AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–5 and 6–24), so every
+// weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial
 // sums wait in y between chunks: storing a float32 and loading it back is exact, so the chain is unchanged). AVX2:
 // 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing chunks.
 #include <torch/extension.h>
@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "cpu_family.h"
 #include "huge_pages.h"
 #include "kernel_entry.h"
 #include "shared_work.h"
@@ -55,6 +56,14 @@ constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when 
 // chunk's first tile keeps 128 steps ahead on each of its four streams (32 each: 0.95–0.96 of the time at 32 rows,
 // but 1.04–1.05× at 256–512). 5–8 rows over four (or three) streams prefetched so: 1.00–1.03× the time at 5–6 rows,
 // 0.97–0.98 at 7–8 (one thread), so they keep one.
+// On a Zen 4 host (32 KiB L1) the same prefetches held the stream back instead: 1–5 rows stream best left to the
+// hardware prefetcher, over four panels, and 6–24 rows over one stream prefetched 128 k-steps ahead into L2
+// (`prefetcht1`), not L1 (kOneTileCalls). One thread over a 400 MB product on 2 MiB pages (where one core bounds the
+// stream, as each of the two does in fast memory), against the Zen 5 choice: 2–4 rows 0.80–0.83 of the time, 6–8 rows
+// 0.70–0.71, 10–12 0.78–0.84, 16 0.92; 5 rows over four panels 0.86 of one stream's time; 2–5 rows over one stream
+// into L2, 1.12–1.37×. Real 1.5B forwards (paired shuffled rounds, two threads, fast memory, bitwise equal): 0.83 /
+// 0.81 / 0.79 / 0.75 / 0.85 / 0.93 of the time at k = 2 / 4 / 6 / 8 / 12 / 16; one stream into L1 for 6–16 rows
+// instead: 0.99–1.01.
 constexpr int kPrefetchMinRows = simd::kWide ? 2 : 4;
 constexpr int64_t kPrefetchSteps = simd::kWide ? 128 : 24;
 constexpr int64_t kFarPrefetchSteps = simd::kWide ? 0 : 256;  // into L2; 0: none
@@ -81,10 +90,10 @@ torch::Tensor pack(torch::Tensor weight) {
 
 // acc [MR][NR] over k-steps [0, steps) of rows xt[s · x_stride + m] and panels panel + j · panel_stride; starts from
 // zero or from the partial sums in y (row stride n); leaves the sums in y, masked to the `width` valid channels.
-// Each stream prefetched kAhead k-steps ahead (0: none). It is a template argument: as a run-time flag GCC tested it
+// Each stream prefetched kAhead k-steps ahead (0: none) into the cache level kHint. It is a template argument: as a run-time flag GCC tested it
 // at every k-step, and one row (four streams, one multiply-add a line) took 1.06–1.17× the time it takes without the
 // test (one thread, the 1.5B's products).
-template <int MR, int NR, int64_t kAhead>
+template <int MR, int NR, int64_t kAhead, _mm_hint kHint>
 void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* panel, int64_t panel_stride,
                 bool resume, float* y, int64_t n, int64_t width) {
   simd::Vec acc[MR][NR];
@@ -101,7 +110,7 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 #pragma GCC unroll 4
       for (int j = 0; j < NR; ++j) {
         const float* stream = panel + j * panel_stride;
-        _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kAhead) * kLanes), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kAhead) * kLanes), kHint);
         if constexpr (kFarPrefetchSteps > 0)
           _mm_prefetch(reinterpret_cast<const char*>(stream + (s + kFarPrefetchSteps) * kLanes), _MM_HINT_T1);
       }
@@ -125,16 +134,18 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, bool, float*, int64_t, int64_t);
 
-template <int NR, int64_t kAhead, int... MR>
+template <int NR, int64_t kAhead, _mm_hint kHint, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, NR, kAhead>...};
+  return {&micro_tile<MR + 1, NR, kAhead, kHint>...};
 }
 // How a table's tiles prefetch: not at all; kPrefetchSteps ahead on each stream (a prefill chunk's first tile); or
-// kPrefetchSteps ahead in all, spread over the tile's streams (calls of one tile: one stream that far, four 32 each)
-enum class Fetch { kNone, kEachStream, kSpread };
+// kPrefetchSteps ahead in all, spread over the tile's streams (calls of one tile: one stream that far, four 32 each),
+// into L1 or (Zen 4) L2
+enum class Fetch { kNone, kEachStream, kSpread, kSpreadIntoL2 };
 constexpr int64_t steps_ahead(Fetch fetch, int nr) {
-  return fetch == Fetch::kNone ? 0 : fetch == Fetch::kSpread ? kPrefetchSteps / nr : kPrefetchSteps;
+  return fetch == Fetch::kNone ? 0 : fetch == Fetch::kEachStream ? kPrefetchSteps : kPrefetchSteps / nr;
 }
+constexpr _mm_hint level(Fetch fetch) { return fetch == Fetch::kSpreadIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0; }
 // tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel; 1 … kMaxRowsOverPanels rows over 2 … 4 (fewer
 // than four: the last panels of a call); the rest unused
 constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
@@ -142,10 +153,10 @@ using Tiles = std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels>;
 template <Fetch kFetch>
 Tiles tiles_fetching() {
   Tiles tiles{};
-  const auto t1 = tiles_of<1, steps_ahead(kFetch, 1)>(std::make_integer_sequence<int, kMaxAccumulators>{});
-  const auto t2 = tiles_of<2, steps_ahead(kFetch, 2)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t3 = tiles_of<3, steps_ahead(kFetch, 3)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t4 = tiles_of<4, steps_ahead(kFetch, 4)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t1 = tiles_of<1, steps_ahead(kFetch, 1), level(kFetch)>(std::make_integer_sequence<int, kMaxAccumulators>{});
+  const auto t2 = tiles_of<2, steps_ahead(kFetch, 2), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t3 = tiles_of<3, steps_ahead(kFetch, 3), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t4 = tiles_of<4, steps_ahead(kFetch, 4), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   std::copy(t1.begin(), t1.end(), tiles[0].begin());
   std::copy(t2.begin(), t2.end(), tiles[1].begin());
   std::copy(t3.begin(), t3.end(), tiles[2].begin());
@@ -155,6 +166,17 @@ Tiles tiles_fetching() {
 const Tiles kTiles = tiles_fetching<Fetch::kNone>();
 const Tiles kEachStreamTiles = tiles_fetching<Fetch::kEachStream>();
 const Tiles kSpreadTiles = tiles_fetching<Fetch::kSpread>();
+const Tiles kSpreadIntoL2Tiles = tiles_fetching<Fetch::kSpreadIntoL2>();
+
+// Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels) and prefetch it
+// (fewer: the hardware prefetcher alone), and with which tiles; chosen once for the host
+struct OneTileCalls {
+  int one_stream_rows, prefetch_min_rows;
+  const Tiles& tiles;
+};
+const OneTileCalls kOneTileCalls = simd::kWide && specdec::host() == specdec::Host::kZen4
+                                       ? OneTileCalls{6, 6, kSpreadIntoL2Tiles}
+                                       : OneTileCalls{kOneStreamRows, kPrefetchMinRows, kSpreadTiles};
 
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
@@ -164,7 +186,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(panels == (n + kLanes - 1) / kLanes, "fp32 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int nr = m < kOneStreamRows ? kFewRowPanels : m <= kMaxAccumulators ? 1 : kWidePanels;
+  const int nr = m < kOneTileCalls.one_stream_rows ? kFewRowPanels : m <= kMaxAccumulators ? 1 : kWidePanels;
   const int64_t max_rows = kMaxAccumulators / nr, row_tiles = (m + max_rows - 1) / max_rows;
   // k-major inputs, a k-step's inputs of a tile side by side: [K, M] for one tile, else [tiles][K][max_rows] (the
   // last tile padded with zero rows)
@@ -177,7 +199,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   float* out = y.data_ptr<float>();
   const int64_t chunk = row_tiles == 1 ? k : kChunkSteps, groups = (panels + nr - 1) / nr;
   // the first (or only) tile of each chunk prefetches the panels' streams; the others read them from cache
-  const Tiles& first_tiles = m < kPrefetchMinRows ? kTiles : row_tiles == 1 ? kSpreadTiles : kEachStreamTiles;
+  const Tiles& first_tiles = row_tiles > 1                             ? kEachStreamTiles
+                             : m < kOneTileCalls.prefetch_min_rows ? kTiles
+                                                                   : kOneTileCalls.tiles;
   specdec::parallel_shares(groups, [&](specdec::ShareCursor& cursor) {
     int64_t g;
     while (cursor.next(g)) {

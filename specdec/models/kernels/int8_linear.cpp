@@ -19,7 +19,6 @@
 // Chunks of 32 k-steps took 0.90–0.92 at 7–16 rows, 96: 0.85–0.92, 128: 0.96–0.99 at 8–12 rows; 64: 0.86–0.88.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <cpuid.h>
 #include <unistd.h>
 #include <immintrin.h>
 #include <array>
@@ -31,6 +30,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_family.h"
 #include "huge_pages.h"
 #include "kernel_entry.h"
 #include "shared_work.h"
@@ -71,15 +71,13 @@ constexpr int64_t kPrefetchSteps = 24;
 // the two does in fast memory; the 1.5B's 113 products, paired shuffled rounds): 3 rows with the near prefetch took
 // 0.94–0.97 of the time, 2 rows 1.04–1.07×; two threads in slow memory, 3 rows 0.99 (quartiles 0.97–1.02) of the real
 // 1.5B's forward time. So on Zen 5 3 rows and more keep it; on hosts not measured, 4 and more.
-int hardware_prefetch_max_rows() {
-  unsigned eax, ebx, ecx, edx;
-  if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return 3;
-  const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
-  if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return 3;
-  const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 20) & 0xFF);
-  return family == 0x19 ? 4 : family == 0x1A ? 2 : 3;  // with AVX-512 VNNI (this kernel's): 19h Zen 4, 1Ah Zen 5
-}
-const int kHardwarePrefetchMaxRows = hardware_prefetch_max_rows();
+const int kHardwarePrefetchMaxRows = [] {
+  switch (specdec::host()) {
+    case specdec::Host::kZen4: return 4;
+    case specdec::Host::kZen5: return 2;
+    default: return 3;
+  }
+}();
 
 // How tiles that share chunks prefetch the next chunk. Over the 1.5B's 113 products (random weights, Zen 5 host, 48 KiB
 // L1, paired shuffled rounds binned by the memory's speed), the pass at 7–12 rows (two tiles) is bound by its memory
@@ -163,8 +161,8 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
   });
 }
 
-// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps into L1 (own: read by one-tile calls of more
-// than kHardwarePrefetchMaxRows rows, and by the first of three tiles sharing chunks), and its share of what
+// What a tile prefetches at each k-step s: its own step s + kPrefetchSteps (own: read by one-tile calls of more than
+// kHardwarePrefetchMaxRows rows, and by the first of three tiles sharing chunks), and its share of what
 // comes next (null: nothing): lines [next_first, next_end) of step s into L2, or (kSequentialNext) of the next chunk's
 // lines, numbered in memory order, those in [next_first, next_end) into L1, in order, spread over the tile's steps.
 struct Prefetch {
@@ -173,10 +171,13 @@ struct Prefetch {
   int next_first, next_end;
 };
 
+// Where a tile fetches its own stream: not at all, or kPrefetchSteps ahead into L1 or (Zen 4, 6 rows) L2
+enum class Own { kNone, kIntoL1, kIntoL2 };
+
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
 // already in acc (kResume) or from zero; kMemoryBroadcast: each row's 4 bytes a k-step as vpdpbusd's broadcast memory
 // operand (GCC does not fold the broadcast into the instruction itself), else broadcast into a register
-template <int MR, bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast>
+template <int MR, bool kStepMajor, bool kResume, Own kOwn, bool kSequentialNext, bool kMemoryBroadcast>
 void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
@@ -193,9 +194,10 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
   int64_t next_line = prefetch.next_first, next_carry = 0;
   for (int64_t s = 0; s < steps; ++s) {
     const int8_t* step = panel + s * kStepBytes;
-    if constexpr (kOwnPrefetch) {
+    if constexpr (kOwn != Own::kNone) {
+      constexpr _mm_hint kLevel = kOwn == Own::kIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0;
 #pragma GCC unroll 4
-      for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
+      for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, kLevel);
     }
     if constexpr (kSequentialNext) {
       for (next_carry += next_span; next_carry >= steps; next_carry -= steps)
@@ -231,26 +233,33 @@ using TileFn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int8_t*,
 
 using ChunkTiles = std::array<std::array<TileFn, kTileRows>, 2>;  // [resumed][rows − 1]
 
-template <bool kStepMajor, bool kResume, bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast, int... MR>
+template <bool kStepMajor, bool kResume, Own kOwn, bool kSequentialNext, bool kMemoryBroadcast, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>...};
+  return {&micro_tile<MR + 1, kStepMajor, kResume, kOwn, kSequentialNext, kMemoryBroadcast>...};
 }
-template <bool kOwnPrefetch, bool kSequentialNext, bool kMemoryBroadcast>
+template <Own kOwn, bool kSequentialNext, bool kMemoryBroadcast>
 constexpr ChunkTiles chunk_tiles_of() {
   constexpr auto rows = std::make_integer_sequence<int, kTileRows>{};
-  return {tiles_of<false, false, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows),
-          tiles_of<false, true, kOwnPrefetch, kSequentialNext, kMemoryBroadcast>(rows)};
+  return {tiles_of<false, false, kOwn, kSequentialNext, kMemoryBroadcast>(rows),
+          tiles_of<false, true, kOwn, kSequentialNext, kMemoryBroadcast>(rows)};
 }
 // tiles of 1 … 6 rows: all rows in one tile, k-step-major, its stream left to the hardware or prefetched by the tile,
 // the activations as the memory operand (6 ≤ kMemoryBroadcastMaxRows); several tiles, row-major, over a chunk's first
 // k-step or resuming their sums, indexed by whether the activations are the memory operand
-const auto kOneTile = tiles_of<true, false, false, false, true>(std::make_integer_sequence<int, kTileRows>{});
-const auto kOneTileOwnPrefetch = tiles_of<true, false, true, false, true>(std::make_integer_sequence<int, kTileRows>{});
-const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<false, false, false>(),
-                                               chunk_tiles_of<false, false, true>()};
-const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<true, false, false>();  // 13 rows and more
-const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<false, true, false>(),
-                                                             chunk_tiles_of<false, true, true>()};
+constexpr auto kOneTileRows = std::make_integer_sequence<int, kTileRows>{};
+const auto kOneTile = tiles_of<true, false, Own::kNone, false, true>(kOneTileRows);
+const auto kOneTileOwnPrefetch = tiles_of<true, false, Own::kIntoL1, false, true>(kOneTileRows);
+const auto kOneTileOwnPrefetchIntoL2 = tiles_of<true, false, Own::kIntoL2, false, true>(kOneTileRows);
+const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<Own::kNone, false, false>(),
+                                               chunk_tiles_of<Own::kNone, false, true>()};
+const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<Own::kIntoL1, false, false>();  // 13 rows and more
+const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<Own::kNone, true, false>(),
+                                                             chunk_tiles_of<Own::kNone, true, true>()};
+// One-tile calls of this many rows and more (up to kTileRows) fetch their own stream into L2 instead of L1. On a Zen 4
+// host, 6 rows: 0.93 of the time over a 400 MB product (one thread, 2 MiB pages, where one core bounds the stream as
+// each of the two does in fast memory) and 0.946 (quartiles 0.93–0.96) of the real 1.5B's forward time at k = 6 (24
+// paired shuffled rounds, two threads, bitwise equal); 5 rows took 1.04–1.14×, 4 rows (the hardware's alone) ~1.00.
+const int kOwnPrefetchIntoL2MinRows = specdec::host() == specdec::Host::kZen4 ? 6 : kTileRows + 1;
 
 // A panel's per-channel operands of store_rows (weight scales, bias; when measured, column sums too) are read once a
 // forward, so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it
@@ -307,8 +316,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
   // all rows in one tile (up to kTileRows): its stream prefetched by the tile above the hardware's row limit
-  const TileFn one_tile =
-      row_tiles == 1 ? (m > kHardwarePrefetchMaxRows ? kOneTileOwnPrefetch : kOneTile)[m - 1] : nullptr;
+  const auto& one_tiles = m <= kHardwarePrefetchMaxRows        ? kOneTile
+                          : m >= kOwnPrefetchIntoL2MinRows ? kOneTileOwnPrefetchIntoL2
+                                                           : kOneTileOwnPrefetch;
+  const TileFn one_tile = row_tiles == 1 ? one_tiles[m - 1] : nullptr;
   // tiles sharing chunks (see kChunksPrefetchIntoL1): two fetch the next chunk's lines into L1, in memory order; of
   // three, the first prefetches its own chunk; the others, and any more, share the next chunk's zmm lines into L2
   const bool sequential_next = kChunksPrefetchIntoL1 && row_tiles == 2;
