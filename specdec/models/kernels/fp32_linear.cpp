@@ -8,9 +8,10 @@
 // accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
 // k-major (x transposed once), so a k-step's broadcasts share a line.
 // AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–5 and 6–24), so every
-// weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles share from L2 (the partial
-// sums wait in y between chunks: storing a float32 and loading it back is exact, so the chain is unchanged). AVX2:
-// 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing chunks.
+// weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles
+// share from L2 (the partial sums wait in y between chunks: storing a float32 and loading it back is exact, so the
+// chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing
+// chunks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -90,9 +91,9 @@ torch::Tensor pack(torch::Tensor weight) {
 
 // acc [MR][NR] over k-steps [0, steps) of rows xt[s · x_stride + m] and panels panel + j · panel_stride; starts from
 // zero or from the partial sums in y (row stride n); leaves the sums in y, masked to the `width` valid channels.
-// Each stream prefetched kAhead k-steps ahead (0: none) into the cache level kHint. It is a template argument: as a run-time flag GCC tested it
-// at every k-step, and one row (four streams, one multiply-add a line) took 1.06–1.17× the time it takes without the
-// test (one thread, the 1.5B's products).
+// Each stream prefetched kAhead k-steps ahead (0: none) into the cache level kHint. kAhead is a template argument: as
+// a run-time flag GCC tested it at every k-step, and one row (four streams, one multiply-add a line) took 1.06–1.17×
+// the time it takes without the test (one thread, the 1.5B's products).
 template <int MR, int NR, int64_t kAhead, _mm_hint kHint>
 void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* panel, int64_t panel_stride,
                 bool resume, float* y, int64_t n, int64_t width) {
@@ -153,10 +154,14 @@ using Tiles = std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels>;
 template <Fetch kFetch>
 Tiles tiles_fetching() {
   Tiles tiles{};
-  const auto t1 = tiles_of<1, steps_ahead(kFetch, 1), level(kFetch)>(std::make_integer_sequence<int, kMaxAccumulators>{});
-  const auto t2 = tiles_of<2, steps_ahead(kFetch, 2), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t3 = tiles_of<3, steps_ahead(kFetch, 3), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
-  const auto t4 = tiles_of<4, steps_ahead(kFetch, 4), level(kFetch)>(std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t1 = tiles_of<1, steps_ahead(kFetch, 1), level(kFetch)>(
+      std::make_integer_sequence<int, kMaxAccumulators>{});
+  const auto t2 = tiles_of<2, steps_ahead(kFetch, 2), level(kFetch)>(
+      std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t3 = tiles_of<3, steps_ahead(kFetch, 3), level(kFetch)>(
+      std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+  const auto t4 = tiles_of<4, steps_ahead(kFetch, 4), level(kFetch)>(
+      std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   std::copy(t1.begin(), t1.end(), tiles[0].begin());
   std::copy(t2.begin(), t2.end(), tiles[1].begin());
   std::copy(t3.begin(), t3.end(), tiles[2].begin());
@@ -199,9 +204,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   float* out = y.data_ptr<float>();
   const int64_t chunk = row_tiles == 1 ? k : kChunkSteps, groups = (panels + nr - 1) / nr;
   // the first (or only) tile of each chunk prefetches the panels' streams; the others read them from cache
-  const Tiles& first_tiles = row_tiles > 1                             ? kEachStreamTiles
-                             : m < kOneTileCalls.prefetch_min_rows ? kTiles
-                                                                   : kOneTileCalls.tiles;
+  const Tiles& first_tiles = row_tiles > 1 ? kEachStreamTiles
+                             : m < kOneTileCalls.prefetch_min_rows ? kTiles : kOneTileCalls.tiles;
   specdec::parallel_shares(groups, [&](specdec::ShareCursor& cursor) {
     int64_t g;
     while (cursor.next(g)) {

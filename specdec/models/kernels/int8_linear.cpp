@@ -316,9 +316,8 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
   // all rows in one tile (up to kTileRows): its stream prefetched by the tile above the hardware's row limit
-  const auto& one_tiles = m <= kHardwarePrefetchMaxRows        ? kOneTile
-                          : m >= kOwnPrefetchIntoL2MinRows ? kOneTileOwnPrefetchIntoL2
-                                                           : kOneTileOwnPrefetch;
+  const auto& one_tiles = m <= kHardwarePrefetchMaxRows    ? kOneTile
+                          : m >= kOwnPrefetchIntoL2MinRows ? kOneTileOwnPrefetchIntoL2 : kOneTileOwnPrefetch;
   const TileFn one_tile = row_tiles == 1 ? one_tiles[m - 1] : nullptr;
   // tiles sharing chunks (see kChunksPrefetchIntoL1): two fetch the next chunk's lines into L1, in memory order; of
   // three, the first prefetches its own chunk; the others, and any more, share the next chunk's zmm lines into L2
