@@ -7,14 +7,16 @@ namespace specdec {
 
 enum class Host { kZen4, kZen5, kOther };
 
-// AMD family 19h with AVX-512 (what the kernels that ask are built for) is Zen 4, 1Ah Zen 5
+// AMD family 19h with AVX-512 is Zen 4 (without it, Zen 3: kOther), 1Ah Zen 5
 inline Host host() {
   unsigned eax, ebx, ecx, edx;
   if (!__get_cpuid(0, &eax, &ebx, &ecx, &edx)) return Host::kOther;
   const bool amd = ebx == 0x68747541 && edx == 0x69746e65 && ecx == 0x444d4163;  // "AuthenticAMD"
   if (!amd || !__get_cpuid(1, &eax, &ebx, &ecx, &edx)) return Host::kOther;
   const unsigned family = ((eax >> 8) & 0xF) + ((eax >> 20) & 0xFF);
-  return family == 0x19 ? Host::kZen4 : family == 0x1A ? Host::kZen5 : Host::kOther;
+  if (family == 0x1A) return Host::kZen5;
+  const bool avx512f = __get_cpuid_count(7, 0, &eax, &ebx, &ecx, &edx) && (ebx >> 16 & 1);
+  return family == 0x19 && avx512f ? Host::kZen4 : Host::kOther;
 }
 
 }  // namespace specdec

@@ -71,8 +71,9 @@ constexpr int64_t kPrefetchSteps = 24;
 // the two does in fast memory; the 1.5B's 113 products, paired shuffled rounds): 3 rows with the near prefetch took
 // 0.94–0.97 of the time, 2 rows 1.04–1.07×; two threads in slow memory, 3 rows 0.99 (quartiles 0.97–1.02) of the real
 // 1.5B's forward time. So on Zen 5 3 rows and more keep it; on hosts not measured, 4 and more.
+const specdec::Host kHost = specdec::host();
 const int kHardwarePrefetchMaxRows = [] {
-  switch (specdec::host()) {
+  switch (kHost) {
     case specdec::Host::kZen4: return 4;
     case specdec::Host::kZen5: return 2;
     default: return 3;
@@ -255,11 +256,21 @@ const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<Own::kNone, false,
 const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<Own::kIntoL1, false, false>();  // 13 rows and more
 const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<Own::kNone, true, false>(),
                                                              chunk_tiles_of<Own::kNone, true, true>()};
-// One-tile calls of this many rows and more (up to kTileRows) fetch their own stream into L2 instead of L1. On a Zen 4
-// host, 6 rows: 0.93 of the time over a 400 MB product (one thread, 2 MiB pages, where one core bounds the stream as
-// each of the two does in fast memory) and 0.946 (quartiles 0.93–0.96) of the real 1.5B's forward time at k = 6 (24
-// paired shuffled rounds, two threads, bitwise equal); 5 rows took 1.04–1.14×, 4 rows (the hardware's alone) ~1.00.
-const int kOwnPrefetchIntoL2MinRows = specdec::host() == specdec::Host::kZen4 ? 6 : kTileRows + 1;
+// The call of each row count that one tile takes (1 … kTileRows), chosen once for the host: its stream left to the
+// hardware up to kHardwarePrefetchMaxRows rows, else fetched by the tile into L1; on Zen 4, 6 rows into L2: 0.93 of
+// the time over a 400 MB product (one thread, 2 MiB pages, where one core bounds the stream as each of the two does in
+// fast memory) and 0.946 (quartiles 0.93–0.96) of the real 1.5B's forward time at k = 6 (24 paired shuffled rounds,
+// two threads, bitwise equal); 5 rows so took 1.04–1.14×, 4 rows (the hardware's alone) ~1.00.
+const std::array<TileFn, kTileRows> kOneTileCalls = [] {
+  std::array<TileFn, kTileRows> calls{};
+  for (int m = 1; m <= kTileRows; ++m) {
+    const auto& tiles = m <= kHardwarePrefetchMaxRows               ? kOneTile
+                        : kHost == specdec::Host::kZen4 && m == 6 ? kOneTileOwnPrefetchIntoL2
+                                                                  : kOneTileOwnPrefetch;
+    calls[m - 1] = tiles[m - 1];
+  }
+  return calls;
+}();
 
 // A panel's per-channel operands of store_rows (weight scales, bias; when measured, column sums too) are read once a
 // forward, so they come from memory: their lines, fetched as the panel starts, arrive while it streams. Without it
@@ -315,10 +326,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
   const float* ws = weight_scale.data_ptr<float>();
   const float* b = bias.has_value() ? bias->data_ptr<float>() : nullptr;
   float* out = y.data_ptr<float>();
-  // all rows in one tile (up to kTileRows): its stream prefetched by the tile above the hardware's row limit
-  const auto& one_tiles = m <= kHardwarePrefetchMaxRows    ? kOneTile
-                          : m >= kOwnPrefetchIntoL2MinRows ? kOneTileOwnPrefetchIntoL2 : kOneTileOwnPrefetch;
-  const TileFn one_tile = row_tiles == 1 ? one_tiles[m - 1] : nullptr;
+  const TileFn one_tile = row_tiles == 1 ? kOneTileCalls[m - 1] : nullptr;  // all rows in one tile (up to kTileRows)
   // tiles sharing chunks (see kChunksPrefetchIntoL1): two fetch the next chunk's lines into L1, in memory order; of
   // three, the first prefetches its own chunk; the others, and any more, share the next chunk's zmm lines into L2
   const bool sequential_next = kChunksPrefetchIntoL1 && row_tiles == 2;
