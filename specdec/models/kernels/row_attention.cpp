@@ -57,10 +57,16 @@ constexpr int kTileHeads = simd::kWide ? 6 : 2;
 // chain of fused multiply-adds in any tile.
 constexpr int kRowValueHeads = simd::kWide ? 3 : 2, kRowValueChunks = simd::kWide ? 8 : 2;
 constexpr int kBlockValueHeads = simd::kWide ? 6 : 3, kBlockValueChunks = simd::kWide ? 4 : 2;
-// Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1); items of several rows take
-// 64, half the accumulators' loads and stores between blocks (attention alone, 28 layers, context 1024, 8 / 16 rows:
-// 0.93–0.96 of the time with 32, in three runs; one row: 0.81–1.08, no clear gain, so it keeps 32)
-constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 64;
+// Values per visit of the accumulators: 32 for one row (16 KiB at D = 128: stays in L1; 64–256 took 0.99–1.11× the
+// time on a Zen 4 host); items of several rows take 256 (128 KiB, which each row re-reads from L2), an eighth of the
+// accumulators' loads and stores between blocks of 32. Against 32, 64 took 0.93–0.96 of the time (attention alone,
+// 28 layers, context 1024, 8 / 16 rows, three runs; Zen 5 host, 48 KiB L1; 256 not measured there). On a Zen 4 host
+// (32 KiB L1, which 64 values fill) 64 took 8.8–8.9 ms at 8 rows in two runs and 11.1 in another, 256 8.4–9.3:
+// against 64, 256 took 0.95–0.96 of the time at 8–16 rows and 0.96–0.98 at 4 in the two, 0.83–0.84 and 0.88 in the
+// other (attention alone, context 1024, caches flushed, paired shuffled rounds, bitwise equal); 128 took 0.96–0.97
+// and 0.89, 512 no less than 256. Real 1.5B forwards at context 1024 (paired, bitwise equal): int8 k = 6 / 8 0.979 /
+// 0.970 of the time, float32 k = 8 0.984, k = 2–4 1.00; context 128: 0.99–1.01.
+constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 256;
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
 // of the lane sums it replaces (attention alone, 28 layers, context 1024: 1–6% faster at 8 rows, 6–13% at 16); one
