@@ -64,8 +64,8 @@ constexpr int kBlockValueHeads = simd::kWide ? 6 : 3, kBlockValueChunks = simd::
 // (32 KiB L1, which 64 values fill) 64 took 8.8–8.9 ms at 8 rows in two runs and 11.1 in another, 256 8.4–9.3:
 // against 64, 256 took 0.95–0.96 of the time at 8–16 rows and 0.96–0.98 at 4 in the two, 0.83–0.84 and 0.88 in the
 // other (attention alone, context 1024, caches flushed, paired shuffled rounds, bitwise equal); 128 took 0.96–0.97
-// and 0.89, 512 no less than 256. Real 1.5B forwards at context 1024 (paired, bitwise equal): int8 k = 6 / 8 0.979 /
-// 0.970 of the time, float32 k = 8 0.984, k = 2–4 1.00; context 128: 0.99–1.01.
+// and 0.89–0.93, 512 no less than 256. Real 1.5B forwards at context 1024 (paired, bitwise equal): int8 k = 6 / 8
+// 0.979 / 0.970 of the time, float32 k = 8 0.984, k = 2–4 1.00; int8 at context 128: 0.99–1.01 at k = 4–16.
 constexpr int64_t kRowValueBlock = 32, kBlockValueBlock = 256;
 // Items of two or more rows score each block of cached keys from one transposition of it (transpose_keys,
 // transposed_scores: the same sums, bitwise): with the rows' and heads' queries sharing it, its cost is a fraction
