@@ -177,10 +177,16 @@ enum class Own { kNone, kIntoL1, kIntoL2 };
 
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
 // already in acc (kResume) or from zero; kMemoryBroadcast: each row's 4 bytes a k-step as vpdpbusd's broadcast memory
-// operand (GCC does not fold the broadcast into the instruction itself), else broadcast into a register
-template <int MR, bool kStepMajor, bool kResume, Own kOwn, bool kSequentialNext, bool kMemoryBroadcast>
+// operand (GCC does not fold the broadcast into the instruction itself), else broadcast into a register;
+// kWeightsAhead: the weights of k-step s + kWeightsAhead are loaded into registers as step s multiplies (see
+// kFourRowWeightsAhead), 0: each step's as it multiplies
+template <int MR, bool kStepMajor, bool kResume, Own kOwn, bool kSequentialNext, bool kMemoryBroadcast,
+          int kWeightsAhead = 0>
 void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
+  constexpr int kSlots = kWeightsAhead + 1;  // k-steps of weights held in registers
+  static_assert(MR * kPanelZmm + kSlots * kPanelZmm + (kMemoryBroadcast ? 0 : 1) <= 32, "more zmm than there are");
+  static_assert(kWeightsAhead == 0 || !kSequentialNext, "the last steps would start the next chunk's lines over");
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
   __m512i acc[MR][kPanelZmm];
@@ -193,34 +199,49 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
   // counted with a carry instead of two divisions a step
   const int64_t next_span = prefetch.next_end - prefetch.next_first;
   int64_t next_line = prefetch.next_first, next_carry = 0;
-  for (int64_t s = 0; s < steps; ++s) {
-    const int8_t* step = panel + s * kStepBytes;
-    if constexpr (kOwn != Own::kNone) {
-      constexpr _mm_hint kLevel = kOwn == Own::kIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0;
+  // w[slot]: step s's weights in slot s % kSlots; the loop takes whole groups of kSlots steps, so every index is a
+  // constant and the weights stay in registers (a test for the last step inside it spilled them)
+  const int64_t grouped_steps = steps - steps % kSlots;
+  __m512i w[kSlots][kPanelZmm];
+  if (grouped_steps > 0)
+#pragma GCC unroll 8
+    for (int slot = 0; slot < kWeightsAhead; ++slot)
 #pragma GCC unroll 4
-      for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, kLevel);
-    }
-    if constexpr (kSequentialNext) {
-      for (next_carry += next_span; next_carry >= steps; next_carry -= steps)
-        _mm_prefetch(prefetch.next + next_line++ * 64, _MM_HINT_T0);
-    } else {
-      for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
-        _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
-    }
-    __m512i w[kPanelZmm];
+      for (int j = 0; j < kPanelZmm; ++j) w[slot][j] = _mm512_loadu_si512(panel + slot * kStepBytes + j * 64);
+  for (int64_t s0 = 0; s0 < grouped_steps; s0 += kSlots) {
+#pragma GCC unroll 8
+    for (int slot = 0; slot < kSlots; ++slot) {
+      const int64_t s = s0 + slot;
+      if constexpr (kOwn != Own::kNone) {
+        constexpr _mm_hint kLevel = kOwn == Own::kIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0;
 #pragma GCC unroll 4
-    for (int j = 0; j < kPanelZmm; ++j) w[j] = _mm512_loadu_si512(step + j * 64);
-    const int8_t* a_step = xq + s * step_stride;
-#pragma GCC unroll 32
-    for (int m = 0; m < MR; ++m) {
-      const auto* a = reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride));
-      if constexpr (kMemoryBroadcast) {
-#pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[m][j]) : "v"(w[j]), "m"(*a));
+        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, kLevel);
+      }
+      if constexpr (kSequentialNext) {
+        for (next_carry += next_span; next_carry >= steps; next_carry -= steps)
+          _mm_prefetch(prefetch.next + next_line++ * 64, _MM_HINT_T0);
       } else {
-        const __m512i broadcast = _mm512_set1_epi32(*a);
+        for (int j = prefetch.next_first; j < prefetch.next_end; ++j)
+          _mm_prefetch(prefetch.next + s * kStepBytes + j * 64, _MM_HINT_T1);
+      }
+      // past the last step, the last again (unused)
+      const int64_t load_step = kWeightsAhead > 0 ? std::min<int64_t>(s + kWeightsAhead, steps - 1) : s;
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], w[j], broadcast);
+      for (int j = 0; j < kPanelZmm; ++j)
+        w[(slot + kWeightsAhead) % kSlots][j] = _mm512_loadu_si512(panel + load_step * kStepBytes + j * 64);
+      const int8_t* a_step = xq + s * step_stride;
+#pragma GCC unroll 32
+      for (int m = 0; m < MR; ++m) {
+        const auto* a = reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride));
+        if constexpr (kMemoryBroadcast) {
+#pragma GCC unroll 4
+          for (int j = 0; j < kPanelZmm; ++j)
+            asm("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc[m][j]) : "v"(w[slot][j]), "m"(*a));
+        } else {
+          const __m512i broadcast = _mm512_set1_epi32(*a);
+#pragma GCC unroll 4
+          for (int j = 0; j < kPanelZmm; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], w[slot][j], broadcast);
+        }
       }
     }
   }
@@ -228,6 +249,16 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
   for (int m = 0; m < MR; ++m)
 #pragma GCC unroll 4
     for (int j = 0; j < kPanelZmm; ++j) _mm512_store_si512(acc_out + (m * kPanelZmm + j) * kLanes, acc[m][j]);
+  if constexpr (kWeightsAhead > 0) {
+    if (grouped_steps < steps) {  // the last steps % kSlots steps, from the sums just stored
+      const Prefetch rest{prefetch.own ? prefetch.own + grouped_steps * kStepBytes : nullptr,
+                          prefetch.next ? prefetch.next + grouped_steps * kStepBytes : nullptr, prefetch.next_first,
+                          prefetch.next_end};
+      micro_tile<MR, kStepMajor, true, kOwn, kSequentialNext, kMemoryBroadcast>(
+          xq + grouped_steps * step_stride, row_stride, step_stride, steps - grouped_steps,
+          panel + grouped_steps * kStepBytes, rest, acc_out);
+    }
+  }
 }
 
 using TileFn = void (*)(const int8_t*, int64_t, int64_t, int64_t, const int8_t*, Prefetch, int32_t*);
@@ -256,6 +287,17 @@ const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<Own::kNone, false,
 const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<Own::kIntoL1, false, false>();  // 13 rows and more
 const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<Own::kNone, true, false>(),
                                                              chunk_tiles_of<Own::kNone, true, true>()};
+// On Zen 4 a one-tile call of 4 rows (its stream left to the hardware prefetcher) loads each k-step's weights 3 steps
+// before it multiplies them (the most its 16 free zmm hold). Over a 400 MB product (one thread, where one core bounds
+// the stream as each of the two does in fast memory; paired shuffled rounds, bitwise equal): 0.94–0.95 of the time in
+// 10 of 11 runs (0.99 in one); 1 or 2 steps ahead: 1.00–1.04 (0.93 in a run where each variant had its own pages).
+// In the real 1.5B's forwards at k = 4, context 128 and 1024 (two threads, paired shuffled rounds, bitwise equal):
+// 0.94–0.97 (quartiles 0.92–0.99) in five runs in fast memory, 0.99–1.03 in slow; k = 1, 3, 6, 8: 0.99–1.00 (Zen 4
+// host). At 1–3 rows (4–6 steps ahead) or 5–6 rows (1–2 steps) the same took 0.98–1.03, and in the tiles of 7–12 rows
+// that share chunks 0.99–1.01. Loading one line of a step ahead into a dead register instead (a demand load, no
+// arithmetic on it), 8–32 steps ahead: 1.12–1.73×.
+constexpr int kFourRowWeightsAhead = 3;
+
 // The call of each row count that one tile takes (1 … kTileRows), chosen once for the host: its stream left to the
 // hardware up to kHardwarePrefetchMaxRows rows, else fetched by the tile into L1; on Zen 4, 6 rows into L2: 0.93 of
 // the time over a 400 MB product (one thread, 2 MiB pages, where one core bounds the stream as each of the two does in
@@ -269,6 +311,8 @@ const std::array<TileFn, kTileRows> kOneTileCalls = [] {
                                                                   : kOneTileOwnPrefetch;
     calls[m - 1] = tiles[m - 1];
   }
+  if (kHost == specdec::Host::kZen4)
+    calls[3] = &micro_tile<4, true, false, Own::kNone, false, true, kFourRowWeightsAhead>;
   return calls;
 }();
 
