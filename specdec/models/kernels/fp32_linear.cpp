@@ -7,7 +7,7 @@
 // a panel is one sequential stream of 64-byte lines, one per k. A tile of MR rows × NR panels keeps MR · NR
 // accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
 // k-major (x transposed once), so a k-step's broadcasts share a line.
-// AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–5 and 6–24), so every
+// AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–6 and 7–24), so every
 // weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles
 // share from L2 (the partial sums wait in y between chunks: storing a float32 and loading it back is exact, so the
 // chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing
@@ -58,9 +58,9 @@ constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when 
 // but 1.04–1.05× at 256–512). 5–8 rows over four (or three) streams prefetched so: 1.00–1.03× the time at 5–6 rows,
 // 0.97–0.98 at 7–8 (one thread), so they keep one.
 // On a Zen 4 host (32 KiB L1) the same prefetches held the stream back instead: 1–5 rows stream best left to the
-// hardware prefetcher, over four panels, and 6–24 rows over one stream prefetched 128 k-steps ahead into L2
-// (`prefetcht1`), not L1 (kOneTileCalls). One thread over a 400 MB product on 2 MiB pages (where one core bounds the
-// stream, as each of the two does in fast memory), against the Zen 5 choice: 2–4 rows 0.80–0.83 of the time, 6–8 rows
+// hardware prefetcher, over four panels (6 rows too: kOneTileCalls), and 7–24 rows over one stream prefetched 128
+// k-steps ahead into L2 (`prefetcht1`), not L1. One thread over a 400 MB product on 2 MiB pages (where one core
+// bounds the stream, as each of the two does in fast memory), against the Zen 5 choice: 2–4 rows 0.80–0.83 of the time, 6–8 rows
 // 0.70–0.71, 10–12 0.78–0.84, 16 0.92; 5 rows over four panels 0.86 of one stream's time; 2–5 rows over one stream
 // into L2, 1.12–1.37×. Real 1.5B forwards (paired shuffled rounds, two threads, fast memory, bitwise equal): 0.83 /
 // 0.81 / 0.79 / 0.75 / 0.85 / 0.93 of the time at k = 2 / 4 / 6 / 8 / 12 / 16; one stream into L1 for 6–16 rows
@@ -174,13 +174,17 @@ const Tiles kSpreadTiles = tiles_fetching<Fetch::kSpread>();
 const Tiles kSpreadIntoL2Tiles = tiles_fetching<Fetch::kSpreadIntoL2>();
 
 // Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels) and prefetch it
-// (fewer: the hardware prefetcher alone), and with which tiles; chosen once for the host
+// (fewer: the hardware prefetcher alone), and with which tiles; chosen once for the host. On Zen 4, 6 rows over four
+// panels left to the hardware prefetcher, against one stream into L2 (real 1.5B forwards at k = 6, contexts 128 and
+// 1024, two threads, paired shuffled rounds, bitwise equal): 0.943–0.965 of the time in slow memory (8 runs of 16
+// rounds), 1.00–1.01 in fast (2 runs). Over a 400 MB product: two threads in slow memory 0.945–0.96 (prefetched
+// into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows and more do not fit four panels' accumulators.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
   const Tiles& tiles;
 };
 const OneTileCalls kOneTileCalls = simd::kWide && specdec::host() == specdec::Host::kZen4
-                                       ? OneTileCalls{6, 6, kSpreadIntoL2Tiles}
+                                       ? OneTileCalls{7, 7, kSpreadIntoL2Tiles}
                                        : OneTileCalls{kOneStreamRows, kPrefetchMinRows, kSpreadTiles};
 
 // x [M, K] float32 → y [M, N] float32
