@@ -60,11 +60,11 @@ constexpr int kWidePanels = simd::kWide ? 4 : 1;        // panels per tile when 
 // On a Zen 4 host (32 KiB L1) the same prefetches held the stream back instead: 1–5 rows stream best left to the
 // hardware prefetcher, over four panels (6 rows too: kOneTileCalls), and 7–24 rows over one stream prefetched 128
 // k-steps ahead into L2 (`prefetcht1`), not L1. One thread over a 400 MB product on 2 MiB pages (where one core
-// bounds the stream, as each of the two does in fast memory), against the Zen 5 choice: 2–4 rows 0.80–0.83 of the time, 6–8 rows
-// 0.70–0.71, 10–12 0.78–0.84, 16 0.92; 5 rows over four panels 0.86 of one stream's time; 2–5 rows over one stream
-// into L2, 1.12–1.37×. Real 1.5B forwards (paired shuffled rounds, two threads, fast memory, bitwise equal): 0.83 /
-// 0.81 / 0.79 / 0.75 / 0.85 / 0.93 of the time at k = 2 / 4 / 6 / 8 / 12 / 16; one stream into L1 for 6–16 rows
-// instead: 0.99–1.01.
+// bounds the stream, as each of the two does in fast memory), against the Zen 5 choice: 2–4 rows 0.80–0.83 of the
+// time, 6–8 rows 0.70–0.71, 10–12 0.78–0.84, 16 0.92; 5 rows over four panels 0.86 of one stream's time; 2–5 rows
+// over one stream into L2, 1.12–1.37×. Real 1.5B forwards (paired shuffled rounds, two threads, fast memory, bitwise
+// equal): 0.83 / 0.81 / 0.79 / 0.75 / 0.85 / 0.93 of the time at k = 2 / 4 / 6 / 8 / 12 / 16; one stream into L1 for
+// 6–16 rows instead: 0.99–1.01.
 constexpr int kPrefetchMinRows = simd::kWide ? 2 : 4;
 constexpr int64_t kPrefetchSteps = simd::kWide ? 128 : 24;
 constexpr int64_t kFarPrefetchSteps = simd::kWide ? 0 : 256;  // into L2; 0: none

@@ -186,7 +186,7 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
                 Prefetch prefetch, int32_t* acc_out) {
   constexpr int kSlots = kWeightsAhead + 1;  // k-steps of weights held in registers
   static_assert(MR * kPanelZmm + kSlots * kPanelZmm + (kMemoryBroadcast ? 0 : 1) <= 32, "more zmm than there are");
-  static_assert(kWeightsAhead == 0 || !kSequentialNext, "the last steps would start the next chunk's lines over");
+  static_assert(kWeightsAhead == 0 || (kOwn == Own::kNone && !kSequentialNext), "measured for one-tile calls alone");
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
   __m512i acc[MR][kPanelZmm];
@@ -251,9 +251,8 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
     for (int j = 0; j < kPanelZmm; ++j) _mm512_store_si512(acc_out + (m * kPanelZmm + j) * kLanes, acc[m][j]);
   if constexpr (kWeightsAhead > 0) {
     if (grouped_steps < steps) {  // the last steps % kSlots steps, from the sums just stored
-      const Prefetch rest{prefetch.own ? prefetch.own + grouped_steps * kStepBytes : nullptr,
-                          prefetch.next ? prefetch.next + grouped_steps * kStepBytes : nullptr, prefetch.next_first,
-                          prefetch.next_end};
+      const Prefetch rest{nullptr, prefetch.next ? prefetch.next + grouped_steps * kStepBytes : nullptr,
+                          prefetch.next_first, prefetch.next_end};
       micro_tile<MR, kStepMajor, true, kOwn, kSequentialNext, kMemoryBroadcast>(
           xq + grouped_steps * step_stride, row_stride, step_stride, steps - grouped_steps,
           panel + grouped_steps * kStepBytes, rest, acc_out);
