@@ -22,6 +22,17 @@ ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in
 ROWS = st.sampled_from([1, 2, 4, 5, 6, 7, 8, 12, 16, 24, 25, 31, 64])
 
 
+def assert_accurate_and_row_invariant(linear: PanelLinear, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+    together = linear(x)
+    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
+    # float32 sums of `in_features` products: error bound ~ in_features · eps · Σ|x_k w_k|
+    bound = weight.shape[1] * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T) + 1e-6
+    assert ((together.double() - reference).abs() <= bound).all()
+    for i in range(x.shape[0]):
+        assert torch.equal(linear(x[i : i + 1])[0], together[i]), i
+    assert torch.equal(linear(x[None])[0], together)  # leading dimensions are kept
+
+
 @settings(max_examples=40, deadline=None)
 @given(rows=ROWS, out_features=st.integers(1, 200), in_features=st.sampled_from([1, 3, 16, 100, 511, 512, 513, 1300]),
        with_bias=st.booleans(), seed=st.integers(0, 2**16))
@@ -31,15 +42,18 @@ def test_rows_are_accurate_and_bitwise_alone_or_together(isa, rows, out_features
     weight = torch.randn(out_features, in_features, generator=g)
     bias = torch.randn(out_features, generator=g) if with_bias else None
     x = torch.randn(rows, in_features, generator=g) * torch.logspace(-2, 2, rows)[:, None]
-    linear = PanelLinear(weight, bias, isa)
-    together = linear(x)
-    reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
-    # float32 sums of `in_features` products: error bound ~ in_features · eps · Σ|x_k w_k|
-    bound = in_features * torch.finfo(torch.float32).eps * (x.abs().double() @ weight.abs().double().T) + 1e-6
-    assert ((together.double() - reference).abs() <= bound).all()
-    for i in range(rows):
-        assert torch.equal(linear(x[i : i + 1])[0], together[i]), i
-    assert torch.equal(linear(x[None])[0], together)  # leading dimensions are kept
+    assert_accurate_and_row_invariant(PanelLinear(weight, bias, isa), x, weight, bias)
+
+
+@ISAS
+@pytest.mark.parametrize("in_features", [1, 3, 8, 9, 100, 1300])
+def test_six_rows_are_accurate_and_bitwise_alone_over_any_count_of_inputs(isa, in_features):
+    """Six rows (on a Zen 4 host one tile over four panels that fetches its inputs 8 steps ahead, past the last one at
+    the end of each panel group), over fewer inputs than that and more, and channels that end in a partial group."""
+    g = torch.Generator().manual_seed(in_features)
+    weight, bias = torch.randn(200, in_features, generator=g), torch.randn(200, generator=g)
+    x = torch.randn(6, in_features, generator=g) * torch.logspace(-2, 2, 6)[:, None]
+    assert_accurate_and_row_invariant(PanelLinear(weight, bias, isa), x, weight, bias)
 
 
 @ISAS

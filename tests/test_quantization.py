@@ -108,13 +108,15 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)
+@pytest.mark.parametrize("rows", [4, 6])
 @pytest.mark.parametrize("in_features", [1, 5, 9, 13, 16, 30, 1540])
-def test_specdec_int8_kernels_are_exact_for_four_rows_over_any_count_of_k_steps(kernel, in_features):
+def test_specdec_int8_kernels_are_exact_for_four_and_six_rows_over_any_count_of_k_steps(kernel, rows, in_features):
     """Four rows (on a Zen 4 host the VNNI kernel loads their weights 3 k-steps ahead, in groups of 4 k-steps, the
-    last 1–3 steps apart): k-step counts of 1, 2, 3, 4, 8 and 385 give the exact integer sums' result."""
+    last 1–3 steps apart) and six (there fetching their activations 8 k-steps ahead, past the last step at a panel's
+    end): k-step counts of 1, 2, 3, 4, 8 and 385 give the exact integer sums' result."""
     g = torch.Generator().manual_seed(in_features)
     weight, bias = torch.randn(200, in_features, generator=g) * 0.05, torch.randn(200, generator=g)
-    x = torch.randn(4, in_features, generator=g)
+    x = torch.randn(rows, in_features, generator=g)
     linear = kernel(weight, bias)
     assert torch.equal(linear(x), exact_int8_linear(linear, weight, x))
 

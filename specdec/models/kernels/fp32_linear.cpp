@@ -91,10 +91,11 @@ torch::Tensor pack(torch::Tensor weight) {
 
 // acc [MR][NR] over k-steps [0, steps) of rows xt[s · x_stride + m] and panels panel + j · panel_stride; starts from
 // zero or from the partial sums in y (row stride n); leaves the sums in y, masked to the `width` valid channels.
-// Each stream prefetched kAhead k-steps ahead (0: none) into the cache level kHint. kAhead is a template argument: as
-// a run-time flag GCC tested it at every k-step, and one row (four streams, one multiply-add a line) took 1.06–1.17×
-// the time it takes without the test (one thread, the 1.5B's products).
-template <int MR, int NR, int64_t kAhead, _mm_hint kHint>
+// Each stream prefetched kAhead k-steps ahead (0: none) into the cache level kHint, and the inputs kInputsAhead steps
+// ahead into L1 (0: none). kAhead is a template argument: as a run-time flag GCC tested it at every k-step, and one row
+// (four streams, one multiply-add a line) took 1.06–1.17× the time it takes without the test (one thread, the 1.5B's
+// products).
+template <int MR, int NR, int64_t kAhead, _mm_hint kHint, int64_t kInputsAhead = 0>
 void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* panel, int64_t panel_stride,
                 bool resume, float* y, int64_t n, int64_t width) {
   simd::Vec acc[MR][NR];
@@ -120,6 +121,8 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 #pragma GCC unroll 4
     for (int j = 0; j < NR; ++j) w[j] = simd::load(panel + j * panel_stride + s * kLanes);
     const float* a = xt + s * x_stride;
+    if constexpr (kInputsAhead > 0)  // past the last step: a line the prefetch may not find, harmless
+      _mm_prefetch(reinterpret_cast<const char*>(a + kInputsAhead * x_stride), _MM_HINT_T0);
 #pragma GCC unroll 24
     for (int m = 0; m < MR; ++m) {
       const simd::Vec x = simd::broadcast(a[m]);
@@ -173,19 +176,39 @@ const Tiles kEachStreamTiles = tiles_fetching<Fetch::kEachStream>();
 const Tiles kSpreadTiles = tiles_fetching<Fetch::kSpread>();
 const Tiles kSpreadIntoL2Tiles = tiles_fetching<Fetch::kSpreadIntoL2>();
 
+// On Zen 4 a call of 6 rows (one tile over four panels) also fetches its inputs 8 k-steps ahead into L1. Its input
+// lines (24 bytes a step) are each read in 2–3 steps and then not before the next four panels, by when the weight
+// stream has evicted them from L1: a demand miss every few steps. Over a 400 MB product (two threads, paired shuffled
+// rounds, bitwise equal): 0.96–0.97 of the time in fast memory (3 runs; the inputs always hitting L1, as a bound:
+// 0.91), 0.99–1.00 in slow; 4 steps ahead: 0.97–0.98; at 4 rows: 0.99–1.00. Real 1.5B forwards at k = 6 (paired
+// shuffled rounds, bitwise equal): 0.959 (context 128) and 0.966 (1024) in fast memory, quartiles 0.94–0.97; 0.994
+// in slow.
+constexpr int64_t kSixRowInputsAhead = 8;
+Tiles tiles_with_six_row_inputs_ahead() {
+  Tiles tiles = tiles_fetching<Fetch::kNone>();
+  tiles[0][5] = &micro_tile<6, 1, 0, _MM_HINT_T0, kSixRowInputsAhead>;
+  tiles[1][5] = &micro_tile<6, 2, 0, _MM_HINT_T0, kSixRowInputsAhead>;
+  tiles[2][5] = &micro_tile<6, 3, 0, _MM_HINT_T0, kSixRowInputsAhead>;
+  tiles[3][5] = &micro_tile<6, 4, 0, _MM_HINT_T0, kSixRowInputsAhead>;
+  return tiles;
+}
+const Tiles kSixRowInputsAheadTiles = tiles_with_six_row_inputs_ahead();
+
 // Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels) and prefetch it
-// (fewer: the hardware prefetcher alone), and with which tiles; chosen once for the host. On Zen 4, 6 rows over four
-// panels left to the hardware prefetcher, against one stream into L2 (real 1.5B forwards at k = 6, contexts 128 and
-// 1024, two threads, paired shuffled rounds, bitwise equal): 0.943–0.965 of the time in slow memory (8 runs of 16
-// rounds), 1.00–1.01 in fast (2 runs). Over a 400 MB product: two threads in slow memory 0.945–0.96 (prefetched
-// into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows and more do not fit four panels' accumulators.
+// (fewer: the hardware prefetcher alone, with few_row_tiles), and with which tiles; chosen once for the host. On Zen
+// 4, 6 rows over four panels left to the hardware prefetcher, against one stream into L2 (real 1.5B forwards at k = 6,
+// contexts 128 and 1024, two threads, paired shuffled rounds, bitwise equal): 0.943–0.965 of the time in slow memory
+// (8 runs of 16 rounds), 1.00–1.01 in fast (2 runs). Over a 400 MB product: two threads in slow memory 0.945–0.96
+// (prefetched into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows and more do not fit four panels'
+// accumulators.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
   const Tiles& tiles;
+  const Tiles& few_row_tiles;
 };
 const OneTileCalls kOneTileCalls = simd::kWide && specdec::host() == specdec::Host::kZen4
-                                       ? OneTileCalls{7, 7, kSpreadIntoL2Tiles}
-                                       : OneTileCalls{kOneStreamRows, kPrefetchMinRows, kSpreadTiles};
+                                       ? OneTileCalls{7, 7, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles}
+                                       : OneTileCalls{kOneStreamRows, kPrefetchMinRows, kSpreadTiles, kTiles};
 
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch::Tensor> bias, int64_t n) {
@@ -208,8 +231,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   float* out = y.data_ptr<float>();
   const int64_t chunk = row_tiles == 1 ? k : kChunkSteps, groups = (panels + nr - 1) / nr;
   // the first (or only) tile of each chunk prefetches the panels' streams; the others read them from cache
-  const Tiles& first_tiles = row_tiles > 1 ? kEachStreamTiles
-                             : m < kOneTileCalls.prefetch_min_rows ? kTiles : kOneTileCalls.tiles;
+  const Tiles& first_tiles = row_tiles > 1                            ? kEachStreamTiles
+                             : m < kOneTileCalls.prefetch_min_rows ? kOneTileCalls.few_row_tiles
+                                                                   : kOneTileCalls.tiles;
   specdec::parallel_shares(groups, [&](specdec::ShareCursor& cursor) {
     int64_t g;
     while (cursor.next(g)) {

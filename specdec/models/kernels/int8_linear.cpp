@@ -172,21 +172,24 @@ struct Prefetch {
   int next_first, next_end;
 };
 
-// Where a tile fetches its own stream: not at all, or kPrefetchSteps ahead into L1 or (Zen 4, 6 rows) L2
-enum class Own { kNone, kIntoL1, kIntoL2 };
+// Where a tile fetches its own stream: not at all, or kPrefetchSteps ahead into L1
+enum class Own { kNone, kIntoL1 };
 
 // acc [MR][64] = Σ over `steps` k-steps of rows m0 … m0 + MR − 1 times a panel's 64 channels, added to the sums
 // already in acc (kResume) or from zero; kMemoryBroadcast: each row's 4 bytes a k-step as vpdpbusd's broadcast memory
 // operand (GCC does not fold the broadcast into the instruction itself), else broadcast into a register;
 // kWeightsAhead: the weights of k-step s + kWeightsAhead are loaded into registers as step s multiplies (see
-// kFourRowWeightsAhead), 0: each step's as it multiplies
+// kFourRowWeightsAhead), 0: each step's as it multiplies; kActivationsAhead: step s fetches the activations of step
+// s + kActivationsAhead into L1 (see kSixRowActivationsAhead), 0: none
 template <int MR, bool kStepMajor, bool kResume, Own kOwn, bool kSequentialNext, bool kMemoryBroadcast,
-          int kWeightsAhead = 0>
+          int kWeightsAhead = 0, int kActivationsAhead = 0>
 void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64_t steps, const int8_t* panel,
                 Prefetch prefetch, int32_t* acc_out) {
   constexpr int kSlots = kWeightsAhead + 1;  // k-steps of weights held in registers
   static_assert(MR * kPanelZmm + kSlots * kPanelZmm + (kMemoryBroadcast ? 0 : 1) <= 32, "more zmm than there are");
   static_assert(kWeightsAhead == 0 || (kOwn == Own::kNone && !kSequentialNext), "measured for one-tile calls alone");
+  static_assert(kActivationsAhead == 0 || (kStepMajor && kOwn == Own::kNone && kWeightsAhead == 0),
+                "measured for one-tile calls alone");
   // every loop over rows and channels unrolled whole: GCC keeps the accumulators in registers only then (without
   // the pragmas, 24 of them spill and the tile runs at half speed)
   __m512i acc[MR][kPanelZmm];
@@ -212,10 +215,9 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
 #pragma GCC unroll 8
     for (int slot = 0; slot < kSlots; ++slot) {
       const int64_t s = s0 + slot;
-      if constexpr (kOwn != Own::kNone) {
-        constexpr _mm_hint kLevel = kOwn == Own::kIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0;
+      if constexpr (kOwn == Own::kIntoL1) {
 #pragma GCC unroll 4
-        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, kLevel);
+        for (int j = 0; j < kPanelZmm; ++j) _mm_prefetch(prefetch.own + s * kStepBytes + j * 64, _MM_HINT_T0);
       }
       if constexpr (kSequentialNext) {
         for (next_carry += next_span; next_carry >= steps; next_carry -= steps)
@@ -230,6 +232,8 @@ void micro_tile(const int8_t* xq, int64_t row_stride, int64_t step_stride, int64
       for (int j = 0; j < kPanelZmm; ++j)
         w[(slot + kWeightsAhead) % kSlots][j] = _mm512_loadu_si512(panel + load_step * kStepBytes + j * 64);
       const int8_t* a_step = xq + s * step_stride;
+      if constexpr (kActivationsAhead > 0)  // past the last step: a line the prefetch may not find, harmless
+        _mm_prefetch(reinterpret_cast<const char*>(a_step + kActivationsAhead * step_stride), _MM_HINT_T0);
 #pragma GCC unroll 32
       for (int m = 0; m < MR; ++m) {
         const auto* a = reinterpret_cast<const int32_t*>(a_step + m * (kStepMajor ? 4 : row_stride));
@@ -280,7 +284,6 @@ constexpr ChunkTiles chunk_tiles_of() {
 constexpr auto kOneTileRows = std::make_integer_sequence<int, kTileRows>{};
 const auto kOneTile = tiles_of<true, false, Own::kNone, false, true>(kOneTileRows);
 const auto kOneTileOwnPrefetch = tiles_of<true, false, Own::kIntoL1, false, true>(kOneTileRows);
-const auto kOneTileOwnPrefetchIntoL2 = tiles_of<true, false, Own::kIntoL2, false, true>(kOneTileRows);
 const std::array<ChunkTiles, 2> kChunkTiles = {chunk_tiles_of<Own::kNone, false, false>(),
                                                chunk_tiles_of<Own::kNone, false, true>()};
 const ChunkTiles kChunkTilesOwnPrefetch = chunk_tiles_of<Own::kIntoL1, false, false>();  // 13 rows and more
@@ -297,21 +300,28 @@ const std::array<ChunkTiles, 2> kChunkTilesSequentialNext = {chunk_tiles_of<Own:
 // arithmetic on it), 8–32 steps ahead: 1.12–1.73×.
 constexpr int kFourRowWeightsAhead = 3;
 
+// On Zen 4 a one-tile call of 6 rows leaves its weight stream to the hardware prefetcher and fetches its activations
+// 8 k-steps ahead into L1. Its activation lines (24 bytes a step, 9 KiB at K = 1536) are each read in 2–3 steps and
+// then not before the next panel, by when the weight stream has evicted them from L1: a demand miss every few steps.
+// A synthetic stand-in whose activations always hit L1 read 16% faster in fast memory. Over an 805 MB product (two
+// threads, paired shuffled rounds, bitwise equal), against the former prefetch of its own stream into L2: 0.95–0.99
+// of the time in fast memory (9 runs), 0.93–0.99 in slow; the activations fetched on top of that prefetch: 0.98–1.01;
+// neither: 1.19–1.21× in fast memory; 4 steps ahead: 0.95–1.01; at 1–5 rows: 0.99–1.09; 1–2 of the lines touched a
+// step round robin, to keep them in L1: 1.00–1.10. Real 1.5B forwards at k = 6 (paired shuffled rounds, bitwise
+// equal): 0.954 (context 128, 3 fast rounds) and 0.984 (1024, 19 fast rounds; quartiles 0.98–0.99), 0.975–0.987 in
+// slow memory.
+constexpr int kSixRowActivationsAhead = 8;
+
 // The call of each row count that one tile takes (1 … kTileRows), chosen once for the host: its stream left to the
-// hardware up to kHardwarePrefetchMaxRows rows, else fetched by the tile into L1; on Zen 4, 6 rows into L2: 0.93 of
-// the time over a 400 MB product (one thread, 2 MiB pages, where one core bounds the stream as each of the two does in
-// fast memory) and 0.946 (quartiles 0.93–0.96) of the real 1.5B's forward time at k = 6 (24 paired shuffled rounds,
-// two threads, bitwise equal); 5 rows so took 1.04–1.14×, 4 rows (the hardware's alone) ~1.00.
+// hardware up to kHardwarePrefetchMaxRows rows, else fetched by the tile into L1; on Zen 4, 4 and 6 rows as above
 const std::array<TileFn, kTileRows> kOneTileCalls = [] {
   std::array<TileFn, kTileRows> calls{};
-  for (int m = 1; m <= kTileRows; ++m) {
-    const auto& tiles = m <= kHardwarePrefetchMaxRows               ? kOneTile
-                        : kHost == specdec::Host::kZen4 && m == 6 ? kOneTileOwnPrefetchIntoL2
-                                                                  : kOneTileOwnPrefetch;
-    calls[m - 1] = tiles[m - 1];
-  }
-  if (kHost == specdec::Host::kZen4)
+  for (int m = 1; m <= kTileRows; ++m)
+    calls[m - 1] = (m <= kHardwarePrefetchMaxRows ? kOneTile : kOneTileOwnPrefetch)[m - 1];
+  if (kHost == specdec::Host::kZen4) {
     calls[3] = &micro_tile<4, true, false, Own::kNone, false, true, kFourRowWeightsAhead>;
+    calls[5] = &micro_tile<6, true, false, Own::kNone, false, true, 0, kSixRowActivationsAhead>;
+  }
   return calls;
 }();
 
