@@ -22,7 +22,9 @@ ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in
 ROWS = st.sampled_from([1, 2, 4, 5, 6, 7, 8, 12, 16, 24, 25, 31, 64])
 
 
-def assert_accurate_and_row_invariant(linear: PanelLinear, x: torch.Tensor, weight: torch.Tensor, bias) -> None:
+def assert_accurate_and_row_invariant(
+    linear: PanelLinear, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None
+) -> None:
     together = linear(x)
     reference = F.linear(x.double(), weight.double(), None if bias is None else bias.double())
     # float32 sums of `in_features` products: error bound ~ in_features · eps · Σ|x_k w_k|

@@ -184,15 +184,15 @@ const Tiles kSpreadIntoL2Tiles = tiles_fetching<Fetch::kSpreadIntoL2>();
 // shuffled rounds, bitwise equal): 0.959 (context 128) and 0.966 (1024) in fast memory, quartiles 0.94–0.97; 0.994
 // in slow.
 constexpr int64_t kSixRowInputsAhead = 8;
-Tiles tiles_with_six_row_inputs_ahead() {
-  Tiles tiles = tiles_fetching<Fetch::kNone>();
-  tiles[0][5] = &micro_tile<6, 1, 0, _MM_HINT_T0, kSixRowInputsAhead>;
-  tiles[1][5] = &micro_tile<6, 2, 0, _MM_HINT_T0, kSixRowInputsAhead>;
-  tiles[2][5] = &micro_tile<6, 3, 0, _MM_HINT_T0, kSixRowInputsAhead>;
-  tiles[3][5] = &micro_tile<6, 4, 0, _MM_HINT_T0, kSixRowInputsAhead>;
+// `tiles` with their 6-row tiles over 1 … sizeof...(NR) panels so
+template <int... NR>
+Tiles with_six_row_inputs_ahead(Tiles tiles, std::integer_sequence<int, NR...>) {
+  ((tiles[NR][5] = &micro_tile<6, NR + 1, 0, _MM_HINT_T0, kSixRowInputsAhead>), ...);
   return tiles;
 }
-const Tiles kSixRowInputsAheadTiles = tiles_with_six_row_inputs_ahead();
+// AVX2 tiles of 6 rows read one panel and are not measured so: kTiles itself
+const Tiles kSixRowInputsAheadTiles =
+    with_six_row_inputs_ahead(kTiles, std::make_integer_sequence<int, simd::kWide ? kMaxPanels : 0>{});
 
 // Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels) and prefetch it
 // (fewer: the hardware prefetcher alone, with few_row_tiles), and with which tiles; chosen once for the host. On Zen
