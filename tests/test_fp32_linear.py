@@ -59,6 +59,20 @@ def test_six_rows_are_accurate_and_bitwise_alone_over_any_count_of_inputs(isa, i
 
 
 @ISAS
+@pytest.mark.parametrize("rows", [1, 2, 6, 16, 17, 24])
+def test_strided_inputs_give_the_bits_of_contiguous_ones(isa, rows):
+    """One-tile calls lay the inputs out k-major themselves (masked permutes up to 16 rows on AVX-512, a loop past
+    that): rows with a stride, inputs with a stride or a transposed view give the bits of the contiguous copy."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(40, 100, generator=g), torch.randn(40, generator=g)
+    linear = PanelLinear(weight, bias, isa)
+    wide = torch.randn(rows, 300, generator=g)
+    for x in (wide[:, 7:107], wide[:, ::3][:, :100], torch.randn(100, rows, generator=g).t()):
+        assert torch.equal(linear(x), linear(x.contiguous()))
+    assert_accurate_and_row_invariant(linear, wide[:, 7:107], weight, bias)
+
+
+@ISAS
 @pytest.mark.parametrize("rows", [1, 8])
 def test_rows_are_exact_when_threads_take_from_each_others_shares(isa, rows, oversubscribed_threads):
     """More intra-op threads than cores: their shares of the panels finish unevenly and a thread that is done takes
