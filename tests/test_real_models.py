@@ -28,7 +28,7 @@ def hf_model(llm):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def test_embedded_gguf_matches_pinned_checksum():
+def test_embedded_gguf_matches_pinned_checksum(llm):  # loading the model assembles and converts it
     model = zoo.EMBEDDED_MODELS[MODEL]
     path = zoo.gguf_path(model)
     assert path.stat().st_size == model.size
