@@ -16,7 +16,7 @@ from specdec.engine.engine import Engine
 from specdec.engine.registry import build_proposer, build_tree_acceptance
 from specdec.engine.sequence import Sequence
 from specdec.models import zoo
-from specdec.models.cost_curve import CostCurve, cached_cost_curve
+from specdec.models.cost_curve import CostCurve, cached_cost_curves
 from specdec.models.linear import DEFAULT_TARGET_QUANTIZATION, resolve_quantization
 from specdec.models.loader import eos_token_ids, load_decoder, load_tokenizer, parse_dtype, resolve_model_dir, resolve_tokenizer_dir
 
@@ -82,9 +82,10 @@ class LLM:
         self.speculative_config = spec
         controller = None
         if spec is not None and spec.adaptive:
-            # measured once per machine (tens of seconds for the 1.5B and its draft), then read from the cache
-            draft_curve = None if proposer.model is None else cached_cost_curve(proposer.model, zoo.cache_dir())
-            costs = StepCosts(cached_cost_curve(decoder, zoo.cache_dir()), draft_curve)
+            # measured once per machine (tens of seconds for the 1.5B and its draft, together), then read from the cache
+            drafts = [] if proposer.model is None else [proposer.model]
+            target_curve, *draft_curve = cached_cost_curves([decoder, *drafts], zoo.cache_dir())
+            costs = StepCosts(target_curve, *draft_curve)
             controller = AdaptiveGamma(costs, stratified=proposer.stratified)
         self.engine = Engine(
             decoder,
@@ -104,7 +105,8 @@ class LLM:
     def cost_curve(self, refresh: bool = False) -> CostCurve:
         """The target's measured cost of a forward over k new tokens on this machine, in its weight
         format: measured once (tens of seconds for the 1.5B) and cached per machine."""
-        return cached_cost_curve(self.engine.model, zoo.cache_dir(), refresh)
+        [curve] = cached_cost_curves([self.engine.model], zoo.cache_dir(), refresh)
+        return curve
 
     # --- generation -------------------------------------------------------------
     def generate(

@@ -38,15 +38,21 @@ def test_a_point_above_the_ones_after_it_is_lowered_to_them():
     assert c.ms == ms  # the measured medians are kept as measured
 
 
-def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
+def counted_measurements(monkeypatch) -> list[list[str]]:
+    """The names of the models each measurement of curves takes in (kept short: small ks and contexts)."""
     calls = []
-    real = cost_module.measure_cost_curve
+    real = cost_module.measure_cost_curves
 
-    def counting(model, *args, **kwargs):
-        calls.append(model)
-        return real(model, ks=(1, 2, 4), contexts=(16, 32), repeats=1)
+    def counting(models, *args, **kwargs):
+        calls.append([model.name for model in models])
+        return real(models, ks=(1, 2, 4), contexts=(16, 32), repeats=1)
 
-    monkeypatch.setattr(cost_module, "measure_cost_curve", counting)
+    monkeypatch.setattr(cost_module, "measure_cost_curves", counting)
+    return calls
+
+
+def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
+    calls = counted_measurements(monkeypatch)
     llm = LLM(str(tiny_qwen), quantization=None, max_model_len=128)
     first = llm.cost_curve()
     assert sorted(first.ms) == [16, 32] and sorted(first.ms[16]) == [1, 2, 4]
@@ -57,6 +63,27 @@ def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
     assert len(calls) == 2 and int8 != first
     llm.cost_curve(refresh=True)
     assert len(calls) == 3
+
+
+def test_a_target_and_its_draft_are_measured_together(tiny_qwen, tmp_path, monkeypatch):
+    """Curves measured apart (the memory may have run at another speed) are measured again together, then read; the
+    target's curve measured again alone (the cost-curve bench does) makes the pair's be measured again."""
+    calls = counted_measurements(monkeypatch)
+    target, draft = load_decoder(tiny_qwen), load_decoder(tiny_qwen, quantization="int8")
+    [alone] = cost_module.cached_cost_curves([target], tmp_path)
+    cost_module.cached_cost_curves([draft], tmp_path)
+    assert calls == [[target.name], [draft.name]]
+    pair = cost_module.cached_cost_curves([target, draft], tmp_path)
+    assert calls[2:] == [[target.name, draft.name]]
+    assert pair[0].session == pair[1].session != alone.session and pair[0] != pair[1]
+    assert cost_module.cached_cost_curves([target, draft], tmp_path) == pair and len(calls) == 3
+    assert cost_module.cached_cost_curves([draft], tmp_path) == [pair[1]] and len(calls) == 3
+    cost_module.cached_cost_curves([target], tmp_path, refresh=True)
+    cost_module.cached_cost_curves([target, draft], tmp_path)
+    assert len(calls) == 5 and calls[4] == [target.name, draft.name]
+    # a model drafting for itself is measured once
+    assert len({c.session for c in cost_module.cached_cost_curves([draft, draft], tmp_path, refresh=True)}) == 1
+    assert calls[5] == [draft.name]
 
 
 def test_work_accounting_and_roofline(tiny_qwen):

@@ -176,7 +176,7 @@ class _SpecdecEngine:
     def describe(self, ids: list[list[int]], workload: Workload) -> dict[str, Any]:
         """The target's (and draft model's) cost curve at this workload's mean context (cached per
         machine): what the analytical model, and the cost-model judge of γ schedules, need."""
-        from specdec.models.cost_curve import cached_cost_curve
+        from specdec.models.cost_curve import cached_cost_curves
         from specdec.models.zoo import cache_dir
 
         curve = self.llm.cost_curve()
@@ -187,7 +187,7 @@ class _SpecdecEngine:
                 "v": {k: curve.relative(k, context) for k in range(1, rows + 1)}}
         proposer = self.llm.engine.proposer
         if proposer is not None and proposer.model is not None:
-            draft = cached_cost_curve(proposer.model, cache_dir())
+            [_, draft] = cached_cost_curves([self.llm.engine.model, proposer.model], cache_dir())
             cost["draft_ms_k1"] = draft.forward_ms(1, context)
             # what each token beyond the first adds to a draft forward: its catch-ups feed many at once
             cost["draft_ms_per_extra_token"] = (draft.forward_ms(32, context) - draft.forward_ms(1, context)) / 31

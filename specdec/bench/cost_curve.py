@@ -39,7 +39,7 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
 
     torch.set_num_threads(spec.threads)
     from specdec import LLM
-    from specdec.models.cost_curve import cost_curve_path, measure_cost_curve, save_cost_curve
+    from specdec.models.cost_curve import cost_curve_path, measure_cost_curves, save_cost_curve
     from specdec.models.roofline import CeilingMeter, Ceilings, ForwardWork
     from specdec.models.zoo import cache_dir
 
@@ -56,8 +56,8 @@ def runner_worker(spec: WorkerSpec) -> dict[str, Any]:
     before = meter.measure()
     by_round: list[Ceilings] = []
     probed: dict[int, dict[int, list[float]]] = {c: {k: [] for k in DEFAULT_KS} for c in DEFAULT_CONTEXTS}
-    curve = measure_cost_curve(model, after_round=lambda: by_round.append(meter.measure(repeats=3)),
-                               after_forward=lambda c, k: probed[c][k].append(meter.read_bandwidth()))
+    [curve] = measure_cost_curves([model], after_round=lambda: by_round.append(meter.measure(repeats=3)),
+                                  after_forward=lambda c, k: probed[c][k].append(meter.read_bandwidth()))
     save_cost_curve(cost_curve_path(cache_dir(), model.name, model.device), curve)  # what the engine reads
     # read bandwidth before the decode passes and right after each request: request i runs between probes i and i + 1
     request_probes = [meter.read_bandwidth()]

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from specdec.models import zoo
-from specdec.models.cost_curve import measure_cost_curve
+from specdec.models.cost_curve import measure_cost_curves
 from specdec.models.roofline import Ceilings, ForwardWork
 
 KS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -125,7 +125,7 @@ def main(argv: Sequence[str]) -> int:
         ks, row_invariant_tokens = tuple(args.ks), model.row_invariant_tokens
         for attention, limit in (("per-token", row_invariant_tokens), ("one kernel", 0)):
             model.row_invariant_tokens = limit
-            curve = measure_cost_curve(model, ks=ks, contexts=CONTEXTS)
+            [curve] = measure_cost_curves([model], ks=ks, contexts=CONTEXTS)
             result["curves"][attention] = {
                 c: {k: {"ms": curve.ms[c][k], "spread": curve.spread[c][k], "roofline_ms": work.roofline_ms(k, c, ceilings)}
                     for k in ks} for c in CONTEXTS

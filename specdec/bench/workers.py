@@ -162,15 +162,13 @@ def specdec_passes(
 
 def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1, 2, 3, 4, 5, 7, 9)) -> dict:
     """Median ms of one forward over k new tokens after a prompt-sized context, target and draft."""
-    from specdec.models.cost_curve import measure_cost_curve
+    from specdec.models.cost_curve import measure_cost_curves
 
     context = max(len(p) for p in prompts)
-    target = measure_cost_curve(llm.engine.model, ks, (context,)).ms[context]
     proposer = llm.engine.proposer
-    draft = None
-    if proposer is not None and proposer.model is not None:
-        draft = measure_cost_curve(proposer.model, (1,), (context,)).ms[context]
-    return {"context_tokens": context, "target_ms": target, "draft_ms": draft}
+    drafts = [] if proposer is None or proposer.model is None else [proposer.model]
+    target, *draft = (curve.ms[context] for curve in measure_cost_curves([llm.engine.model, *drafts], ks, (context,)))
+    return {"context_tokens": context, "target_ms": target, "draft_ms": draft[0] if draft else None}
 
 
 def _transformers(spec: WorkerSpec) -> dict[str, Any]:

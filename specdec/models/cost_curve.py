@@ -3,6 +3,9 @@
 Speculation pays only where verifying γ+1 tokens costs little more than one; how much more is
 a property of the machine, the model and its weight format, so it is measured (once, tens of
 seconds) and cached under `$SPECDEC_CACHE/cost/<machine>/`, where the adaptive controller reads it.
+A target's and its draft model's curves are measured together: the controller weighs one against the
+other, and this machine's memory runs at ~35 or ~60 GB/s for minutes at a time, so two curves measured
+apart can put the draft at 0.48 of a target forward instead of ~0.26 (it then never speculated).
 """
 
 from __future__ import annotations
@@ -13,7 +16,8 @@ import os
 import platform
 import statistics
 import time
-from collections.abc import Callable
+import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,18 +30,20 @@ from specdec.models.decoder import Decoder
 # up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
 # priced from them: per token it costs far more than the slope of the small-k end suggests)
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
-CURVE_VERSION = 37  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+CURVE_VERSION = 38  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
 @dataclass(frozen=True)
 class CostCurve:
     """Median ms per forward: `ms[context][k]` (keys as measured), with (min, max) spreads and, where kept, every
-    round's time (`samples[context][k][round]`)."""
+    round's time (`samples[context][k][round]`); `session` names the measurement, shared by curves measured
+    together."""
 
     ms: dict[int, dict[int, float]]
     spread: dict[int, dict[int, tuple[float, float]]]
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    session: str = ""
     _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # `ms`, made monotone
 
     def __post_init__(self) -> None:
@@ -66,7 +72,7 @@ class CostCurve:
         return self.forward_ms(k, context) / self.forward_ms(1, context)
 
     def to_json(self) -> dict:
-        return {"ms": self.ms, "spread": self.spread, "samples": self.samples}
+        return {"ms": self.ms, "spread": self.spread, "samples": self.samples, "session": self.session}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostCurve":
@@ -74,6 +80,7 @@ class CostCurve:
             ms={int(c): {int(k): float(v) for k, v in row.items()} for c, row in data["ms"].items()},
             spread={int(c): {int(k): tuple(v) for k, v in row.items()} for c, row in data["spread"].items()},
             samples={int(c): {int(k): list(v) for k, v in row.items()} for c, row in data.get("samples", {}).items()},
+            session=data.get("session", ""),
         )
 
 
@@ -103,47 +110,58 @@ def monotone(row: dict[int, float]) -> dict[int, float]:
 
 
 @torch.inference_mode()
-def measure_cost_curve(
-    model: Decoder,
+def measure_cost_curves(
+    models: Sequence[Decoder],
     ks: tuple[int, ...] = DEFAULT_KS,
     contexts: tuple[int, ...] = DEFAULT_CONTEXTS,
     repeats: int = 5,
     after_round: Callable[[], object] | None = None,
     after_forward: Callable[[int, int], object] | None = None,
-) -> CostCurve:
-    """Time forwards over k new tokens (logits at every row, as verification needs) after a cached
-    context. Each round sweeps every (context, k) in turn, so that machine noise (memory bandwidth
-    here drifts by tens of percent over minutes) spreads over the whole curve, not one point.
-    `after_round` runs after each measured round and `after_forward(context, k)` after each timed forward of one,
+) -> list[CostCurve]:
+    """Each model's curve: forwards over k new tokens (logits at every row, as verification needs) after a cached
+    context, timed. Each round sweeps every (context, k) in turn, each point over every model in turn, so that
+    machine noise (memory bandwidth here drifts by tens of percent over minutes) spreads over the whole curve, not
+    one point, and over the models alike, whose ratio the adaptive controller weighs.
+    `after_round` runs after each measured round and `after_forward(context, k)` after each timed forward,
     outside the timing (the bench measures the machine's ceilings there, so each time has ceilings taken beside it)."""
     g = torch.Generator().manual_seed(0)
-    cache = model.new_kv_cache(len(contexts), max(contexts) + max(ks))
-    slots = {}
-    for context in contexts:
-        slots[context] = slot = cache.allocate()
-        prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
-        for start in range(0, context, 512):
-            chunk = prompt[start : start + 512]
-            model.forward(ForwardBatch.build([SequenceInput(slot, chunk, num_logits=1)], [start]), cache)
-    times: dict[int, dict[int, list[float]]] = {c: {k: [] for k in ks} for c in contexts}
+    caches, slots = [], []
+    for model in models:
+        caches.append(cache := model.new_kv_cache(len(contexts), max(contexts) + max(ks)))
+        slots.append(model_slots := {})
+        for context in contexts:
+            model_slots[context] = slot = cache.allocate()
+            prompt = torch.randint(0, model.config.vocab_size, (context,), generator=g).tolist()
+            for start in range(0, context, 512):
+                chunk = prompt[start : start + 512]
+                model.forward(ForwardBatch.build([SequenceInput(slot, chunk, num_logits=1)], [start]), cache)
+    times = [{c: {k: [] for k in ks} for c in contexts} for _ in models]
     for round_ in range(repeats + 1):  # round 0 warms up each shape
         for context in contexts:
             for k in ks:
-                tokens = torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist()
-                batch = ForwardBatch.build([SequenceInput(slots[context], tokens, num_logits=k)], [context])
-                start = time.perf_counter()
-                model.forward(batch, cache)
-                elapsed = (time.perf_counter() - start) * 1000
-                cache.truncate(slots[context], context)
-                if round_:
-                    times[context][k].append(elapsed)
-                    if after_forward is not None:
-                        after_forward(context, k)
+                for model, cache, model_slots, model_times in zip(models, caches, slots, times):
+                    tokens = torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist()
+                    batch = ForwardBatch.build([SequenceInput(model_slots[context], tokens, num_logits=k)], [context])
+                    start = time.perf_counter()
+                    model.forward(batch, cache)
+                    elapsed = (time.perf_counter() - start) * 1000
+                    cache.truncate(model_slots[context], context)
+                    if round_:
+                        model_times[context][k].append(elapsed)
+                        if after_forward is not None:
+                            after_forward(context, k)
         if round_ and after_round is not None:
             after_round()
-    ms = {c: {k: statistics.median(t) for k, t in row.items()} for c, row in times.items()}
-    spread = {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in times.items()}
-    return CostCurve(ms, spread, times)
+    session = uuid.uuid4().hex
+    return [
+        CostCurve(
+            {c: {k: statistics.median(t) for k, t in row.items()} for c, row in model_times.items()},
+            {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in model_times.items()},
+            model_times,
+            session,
+        )
+        for model_times in times
+    ]
 
 
 def machine_fingerprint(device: torch.device | str = "cpu") -> str:
@@ -173,12 +191,16 @@ def save_cost_curve(path: Path, curve: CostCurve) -> None:
     tmp.replace(path)
 
 
-def cached_cost_curve(model: Decoder, cache_dir: Path, refresh: bool = False) -> CostCurve:
-    """The curve for this model and format (`model.name`) on this machine: read from the cache, or
-    measured once."""
-    path = cost_curve_path(cache_dir, model.name, model.device)
-    if path.exists() and not refresh:
-        return CostCurve.from_json(json.loads(path.read_text()))
-    curve = measure_cost_curve(model)
-    save_cost_curve(path, curve)
-    return curve
+def cached_cost_curves(models: Sequence[Decoder], cache_dir: Path, refresh: bool = False) -> list[CostCurve]:
+    """The curve of each model and format (`model.name`) on this machine: read from the cache if they were measured
+    together, else measured together once (a target and its draft model: the controller weighs their ratio)."""
+    paths = [cost_curve_path(cache_dir, model.name, model.device) for model in models]
+    if not refresh and all(path.exists() for path in paths):
+        curves = [CostCurve.from_json(json.loads(path.read_text())) for path in paths]
+        if len({curve.session for curve in curves}) == 1:
+            return curves
+    unique = dict(zip(paths, models))  # a model drafting for itself is measured once
+    measured = dict(zip(unique, measure_cost_curves(list(unique.values()))))
+    for path, curve in measured.items():
+        save_cost_curve(path, curve)
+    return [measured[path] for path in paths]
