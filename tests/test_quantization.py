@@ -12,6 +12,7 @@ from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.linear import (
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_TARGET_QUANTIZATION,
+    AmxInt8Linear,
     Avx2Int8Linear,
     Int8Linear,
     OneDnnInt8Linear,
@@ -25,7 +26,9 @@ from specdec.models.loader import load_decoder
 
 needs_vnni = pytest.mark.skipif(kernels.int8_vnni() is None, reason="no AVX-512 VNNI on this CPU (or no compiler)")
 needs_avx2_kernel = pytest.mark.skipif(kernels.int8_avx2() is None, reason="no AVX2 on this CPU (or no compiler)")
-SPECDEC_INT8_KERNELS = [pytest.param(VnniInt8Linear, marks=needs_vnni), pytest.param(Avx2Int8Linear, marks=needs_avx2_kernel)]
+needs_amx = pytest.mark.skipif(not kernels.int8_amx(), reason="no AMX-INT8 on this CPU (or not allowed)")
+SPECDEC_INT8_KERNELS = [pytest.param(AmxInt8Linear, marks=needs_amx), pytest.param(VnniInt8Linear, marks=needs_vnni),
+                        pytest.param(Avx2Int8Linear, marks=needs_avx2_kernel)]
 
 # Tiny random models have flat logits and no outliers to protect: int8 weights + per-row int8
 # activations give ~4% relative L2 error on their logits (the real 1.5B is judged by NLL in
@@ -107,6 +110,31 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
         assert torch.equal(linear(x[i : i + 1])[0], together[i])
 
 
+@needs_amx
+@settings(max_examples=40, deadline=None)
+@given(
+    rows=st.integers(1, 40),
+    out_features=st.integers(1, 200),
+    blocks=st.integers(1, 5),
+    with_bias=st.booleans(),
+    seed=st.integers(0, 2**31 - 1),
+)
+def test_amx_tiles_give_the_exact_sums(rows, out_features, blocks, with_bias, seed):
+    """In-features a multiple of 64 (what the AMX path takes; others fall back to VNNI): 1–16 rows in one tile, more
+    in tiles of 16 padded with zero rows; the exact integer sums' result, each row alone as in the batch, and the
+    VNNI path's bits from the same packed panels."""
+    g = torch.Generator().manual_seed(seed)
+    weight = torch.randn(out_features, 64 * blocks, generator=g) * 0.05
+    bias = torch.randn(out_features, generator=g) if with_bias else None
+    x = torch.randn(rows, 64 * blocks, generator=g) * 10.0 ** torch.randint(-4, 3, (rows, 1), generator=g)
+    linear = AmxInt8Linear(weight, bias)
+    together = linear(x)
+    assert torch.equal(together, exact_int8_linear(linear, weight, x))
+    assert torch.equal(together, linear.kernel.linear(x, linear.packed, linear.scale, linear.bias, out_features))
+    for i in range(rows):
+        assert torch.equal(linear(x[i : i + 1])[0], together[i])
+
+
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)
 @pytest.mark.parametrize("rows", [4, 6])
 @pytest.mark.parametrize("in_features", [1, 5, 9, 13, 16, 30, 1540])
@@ -142,8 +170,8 @@ def test_specdec_int8_kernels_are_exact_when_threads_take_from_each_others_share
     """More intra-op threads than cores: the OS time-slices them, so their shares of the panels finish unevenly and
     a thread that is done takes panels from the back of another's share. Every output is still computed, exactly."""
     g = torch.Generator().manual_seed(5)
-    weight = torch.randn(4096, 160, generator=g) * 0.05
-    x = torch.randn(rows, 160, generator=g)
+    weight = torch.randn(4096, 192, generator=g) * 0.05  # 192: a multiple of 64, as the AMX path takes
+    x = torch.randn(rows, 192, generator=g)
     linear = kernel(weight)
     expected = exact_int8_linear(linear, weight, x)
     for _ in range(30):
@@ -160,7 +188,8 @@ def test_onednn_int8_is_exact_where_the_cpu_has_vnni():
 
 def test_int8_kernel_is_chosen_once_per_process():
     chosen = linear_kernel(torch.float32, "cpu", "int8")
-    expected = VnniInt8Linear if kernels.int8_vnni() else Avx2Int8Linear if kernels.int8_avx2() else OneDnnInt8Linear
+    expected = (AmxInt8Linear if kernels.int8_amx() else VnniInt8Linear if kernels.int8_vnni()
+                else Avx2Int8Linear if kernels.int8_avx2() else OneDnnInt8Linear)
     assert chosen is expected
 
 

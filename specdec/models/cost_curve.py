@@ -171,7 +171,7 @@ def machine_fingerprint(device: torch.device | str = "cpu") -> str:
     cpuinfo = Path("/proc/cpuinfo")
     if cpuinfo.exists():
         cpu = next((line.split(":", 1)[1].strip() for line in cpuinfo.read_text().splitlines() if line.startswith("model name")), cpu)
-    isas = "+".join(isa.name for isa in kernels.runnable_isas())
+    isas = "+".join(["amx"] * kernels.int8_amx() + [isa.name for isa in kernels.runnable_isas()])
     parts = (cpu, os.cpu_count(), torch.get_num_threads(), torch.__version__, torch.backends.cpu.get_cpu_capability(), isas)
     key = "|".join(map(str, parts))
     if torch.device(device).type == "cuda":

@@ -114,8 +114,8 @@ class Int8Linear:
 
     y[i, n] = s_x[i] · s_w[n] · Σ_k round(x[i, k] / s_x[i]) · W8[n, k] + b[n], the sum exact in int32, so a
     row's result never depends on the other rows. Symmetric scales: s = max|·| / 127. Three kernels compute
-    it, bitwise alike (tested against the exact sums): `VnniInt8Linear` or `Avx2Int8Linear` where one runs, else
-    `OneDnnInt8Linear`; `int8_linear` picks one per process.
+    it, bitwise alike (tested against the exact sums): `AmxInt8Linear`, `VnniInt8Linear` or `Avx2Int8Linear` where
+    one runs, else `OneDnnInt8Linear`; `int8_linear` picks one per process.
     """
 
     entry: NativeEntry | None = None  # oneDNN's kernel has no C++ entry
@@ -186,6 +186,22 @@ class VnniInt8Linear(Int8Linear):
         return _shaped_like(y, x)
 
 
+class AmxInt8Linear(VnniInt8Linear):
+    """The VNNI kernel's packed panels multiplied by Intel's AMX tiles (Sapphire Rapids and later; in-features a
+    multiple of 64, else the VNNI path): up to 16 rows in one tile multiply, so verifying 16 tokens costs about what
+    reading the weights costs. Over the 1.5B's products on an AMX host: 53–59 ms at 1–16 rows against the VNNI path's
+    54–81 (BENCHMARKS.md)."""
+
+    @property
+    def entry(self) -> NativeEntry:
+        operands = _operands(self.packed, self.scale, bias=self.bias)
+        return self.kernel.linear_amx_entry, operands, self.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel.linear_amx(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
+        return _shaped_like(y, x)
+
+
 class Avx2Int8Linear(Int8Linear):
     """specdec's AVX2 kernel (kernels/int8_linear_avx2.cpp) for CPUs without VNNI: one call quantizes the rows, streams
     the weights once for up to 6 rows (more share each panel from L1) and applies the scales and bias, bitwise as the
@@ -205,8 +221,10 @@ class Avx2Int8Linear(Int8Linear):
 
 
 def int8_linear() -> type[Int8Linear]:
-    """The int8 kernel for this process: specdec's VNNI kernel where the CPU has AVX-512 VNNI, else its AVX2 kernel,
-    where they build; oneDNN's elsewhere."""
+    """The int8 kernel for this process: specdec's AMX kernel where the CPU and OS let it run, its VNNI kernel where
+    the CPU has AVX-512 VNNI, else its AVX2 kernel, where they build; oneDNN's elsewhere."""
+    if kernels.int8_amx():
+        return AmxInt8Linear
     if kernels.int8_vnni() is not None:
         return VnniInt8Linear
     return Avx2Int8Linear if kernels.int8_avx2() is not None else OneDnnInt8Linear

@@ -82,6 +82,14 @@ def int8_vnni() -> ModuleType | None:
     return _build("specdec_int8_vnni", "int8_linear.cpp", INT8_VNNI_FLAGS, ("-ffp-contract=off",))
 
 
+def int8_amx() -> bool:
+    """Whether the VNNI kernel's AMX path runs here: the CPU has AMX-INT8, Linux lets the process use its tiles, and
+    no $SPECDEC_MAX_CPU_ISA caps the kernels (AMX is above every cap it names, as ONEDNN_MAX_CPU_ISA=AVX512_CORE_VNNI
+    keeps oneDNN off AMX)."""
+    module = int8_vnni()
+    return module is not None and module.amx_usable and not os.environ.get(MAX_ISA_VARIABLE, "").strip()
+
+
 @functools.cache
 def int8_avx2() -> ModuleType | None:
     """The AVX2 int8 linear kernel (int8_linear_avx2.cpp) for CPUs without VNNI, or None. Built without contracting
