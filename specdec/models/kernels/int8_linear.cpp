@@ -158,7 +158,9 @@ void quantize_row(const float* row, int64_t k, int64_t kp, int64_t step_stride, 
 // row-major (row_stride Kp, step_stride 4), so a tile's rows stay in few lines
 void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row_stride, int64_t step_stride,
                    int8_t* xq, float* scale, int32_t* sum) {
-  at::parallel_for(0, m, 32, [&](int64_t begin, int64_t end) {  // split for prefill only
+  // split between the threads from 32k inputs (the other thread would only wait): 16 rows of 8960 inputs took 45 µs
+  // on one thread (Intel host), a down projection's 28 calls ~1 ms of a 16-row forward
+  at::parallel_for(0, m, std::max<int64_t>(1, (32 << 10) / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
       quantize_row(x + r * k, k, kp, step_stride, xq + r * row_stride, scale + r, sum + r);
   });
