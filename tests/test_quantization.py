@@ -193,6 +193,13 @@ def test_int8_kernel_is_chosen_once_per_process():
     assert chosen is expected
 
 
+@needs_amx
+def test_a_cpu_isa_cap_keeps_the_int8_kernel_off_amx(monkeypatch):
+    """AMX is above every instruction set $SPECDEC_MAX_CPU_ISA names: with a cap the VNNI path runs."""
+    monkeypatch.setenv(kernels.MAX_ISA_VARIABLE, "avx512")
+    assert not kernels.int8_amx() and linear_kernel(torch.float32, "cpu", "int8") is VnniInt8Linear
+
+
 def test_int8_decoder_block_matches_single_steps(tiny_qwen):
     """A verify block's rows are bitwise the logits of one-token steps (int8 sums are exact and each
     token's attention runs alone over its own prefix)."""
