@@ -8,10 +8,10 @@
 // accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
 // k-major (x transposed once), so a k-step's broadcasts share a line.
 // AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–6 and 7–24, on Intel 1–5
-// and 6–24), so every weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into chunks that the tiles
-// share from L2 (the partial sums wait in y between chunks: storing a float32 and loading it back is exact, so the
-// chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows over 1 panel sharing
-// chunks.
+// and 6–24), so every weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into
+// chunks that the tiles share from L2 (the partial sums wait in y between chunks: storing a float32 and loading it
+// back is exact, so the chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows
+// over 1 panel sharing chunks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
