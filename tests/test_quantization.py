@@ -83,6 +83,15 @@ def exact_int8_linear(linear: Int8Linear, weight: torch.Tensor, x: torch.Tensor)
     return y if linear.bias is None else y + linear.bias
 
 
+def assert_exact_alone_and_together(linear: Int8Linear, weight: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """The rows together give the exact integer sums' result, and each row alone its row of it; returns them."""
+    together = linear(x)
+    assert torch.equal(together, exact_int8_linear(linear, weight, x))
+    for i in range(x.shape[0]):
+        assert torch.equal(linear(x[i : i + 1])[0], together[i])
+    return together
+
+
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)
 @settings(max_examples=60, deadline=None)
 @given(
@@ -103,11 +112,7 @@ def test_specdec_int8_kernels_are_exact(kernel, rows, out_features, in_features,
     magnitudes = 10.0 ** torch.randint(-4, 3, (rows, 1), generator=g)
     x = torch.randn(rows, in_features, generator=g) * magnitudes
     x[torch.randint(0, rows, (1,), generator=g)] = 0.0  # an all-zero row
-    linear = kernel(weight, bias)
-    together = linear(x)
-    assert torch.equal(together, exact_int8_linear(linear, weight, x))
-    for i in range(rows):
-        assert torch.equal(linear(x[i : i + 1])[0], together[i])
+    assert_exact_alone_and_together(kernel(weight, bias), weight, x)
 
 
 @needs_amx
@@ -128,11 +133,8 @@ def test_amx_tiles_give_the_exact_sums(rows, out_features, blocks, with_bias, se
     bias = torch.randn(out_features, generator=g) if with_bias else None
     x = torch.randn(rows, 64 * blocks, generator=g) * 10.0 ** torch.randint(-4, 3, (rows, 1), generator=g)
     linear = AmxInt8Linear(weight, bias)
-    together = linear(x)
-    assert torch.equal(together, exact_int8_linear(linear, weight, x))
+    together = assert_exact_alone_and_together(linear, weight, x)
     assert torch.equal(together, linear.kernel.linear(x, linear.packed, linear.scale, linear.bias, out_features))
-    for i in range(rows):
-        assert torch.equal(linear(x[i : i + 1])[0], together[i])
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)

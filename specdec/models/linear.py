@@ -16,6 +16,7 @@ oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
 from __future__ import annotations
 
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 import torch.nn.functional as F
@@ -165,25 +166,34 @@ class OneDnnInt8Linear(Int8Linear):
         return y if self.bias is None else y.add_(self.bias)
 
 
-class VnniInt8Linear(Int8Linear):
+class PackedInt8Linear(Int8Linear):
+    """specdec's int8 kernels: the weights packed once by the kernel's module (`kernel_module`), each product one call
+    of its `linear` (or, from the layer loop, its C++ entry)."""
+
+    kernel_module: Callable[[], ModuleType | None]
+
+    def _pack(self, quantized: torch.Tensor) -> None:
+        self.kernel = self.kernel_module()
+        self.packed = self.kernel.pack(quantized)
+        self.linear, self.linear_entry = self.kernel.linear, self.kernel.linear_entry
+
+    @property
+    def entry(self) -> NativeEntry:
+        return self.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
+        return _shaped_like(y, x)
+
+
+class VnniInt8Linear(PackedInt8Linear):
     """specdec's AVX-512 VNNI kernel (kernels/int8_linear.cpp): one call quantizes the rows, streams the weights
     once for all of them (up to 6 rows in one tile; more in tiles of ≤ 6 that share each panel in L1-sized chunks,
     the memory stream overlapping the arithmetic) and applies the scales and bias. For the 1 to 16 rows of decoding
     and verification it is 1.1–1.3× oneDNN's kernel; up to 12 rows cost within ~1.2× of one row, which runs at about
     what reading the weights costs (BENCHMARKS.md)."""
 
-    def _pack(self, quantized: torch.Tensor) -> None:
-        self.kernel = kernels.int8_vnni()
-        self.packed = self.kernel.pack(quantized)
-
-    @property
-    def entry(self) -> NativeEntry:
-        operands = _operands(self.packed, self.scale, bias=self.bias)
-        return self.kernel.linear_entry, operands, self.out_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
-        return _shaped_like(y, x)
+    kernel_module = staticmethod(kernels.int8_vnni)
 
 
 class AmxInt8Linear(VnniInt8Linear):
@@ -192,32 +202,17 @@ class AmxInt8Linear(VnniInt8Linear):
     reading the weights costs. Over the 1.5B's products on an AMX host: 53–59 ms at 1–16 rows against the VNNI path's
     54–81 (BENCHMARKS.md)."""
 
-    @property
-    def entry(self) -> NativeEntry:
-        operands = _operands(self.packed, self.scale, bias=self.bias)
-        return self.kernel.linear_amx_entry, operands, self.out_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear_amx(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
-        return _shaped_like(y, x)
+    def _pack(self, quantized: torch.Tensor) -> None:
+        super()._pack(quantized)
+        self.linear, self.linear_entry = self.kernel.linear_amx, self.kernel.linear_amx_entry
 
 
-class Avx2Int8Linear(Int8Linear):
+class Avx2Int8Linear(PackedInt8Linear):
     """specdec's AVX2 kernel (kernels/int8_linear_avx2.cpp) for CPUs without VNNI: one call quantizes the rows, streams
     the weights once for up to 6 rows (more share each panel from L1) and applies the scales and bias, bitwise as the
     other int8 kernels."""
 
-    def _pack(self, quantized: torch.Tensor) -> None:
-        self.kernel = kernels.int8_avx2()
-        self.packed = self.kernel.pack(quantized)
-
-    @property
-    def entry(self) -> NativeEntry:
-        return self.kernel.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
-        return _shaped_like(y, x)
+    kernel_module = staticmethod(kernels.int8_avx2)
 
 
 def int8_linear() -> type[Int8Linear]:

@@ -361,13 +361,19 @@ void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t 
   }
 }
 
+// x, contiguous, once it is float32 [M, K] with K the packed weights' in-features
+torch::Tensor checked_input(const torch::Tensor& x, const torch::Tensor& packed) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8 linear: float32 [M, K] input expected");
+  const int64_t k = x.size(1);
+  TORCH_CHECK(packed.size(1) * 4 == (k + 3) / 4 * 4, "int8 linear: input has ", k, " features");
+  return x.contiguous();
+}
+
 // x [M, K] float32 → y [M, N] float32
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
                      c10::optional<torch::Tensor> bias, int64_t n) {
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8 linear: float32 [M, K] input expected");
-  x = x.contiguous();
+  x = checked_input(x, packed);
   const int64_t m = x.size(0), k = x.size(1), steps = packed.size(1), kp = steps * 4, blocks = packed.size(0);
-  TORCH_CHECK(kp == (k + 3) / 4 * 4, "int8 linear: input has ", k, " features");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   const int64_t row_tiles = (m + kTileRows - 1) / kTileRows;
@@ -547,10 +553,8 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor we
                          c10::optional<torch::Tensor> bias, int64_t n) {
   const int64_t steps = packed.size(1);
   if (!kAmxUsable || steps % kAmxSteps != 0) return linear(x, packed, weight_scale, bias, n);
-  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2, "int8 linear: float32 [M, K] input expected");
-  x = x.contiguous();
+  x = checked_input(x, packed);
   const int64_t m = x.size(0), k = x.size(1), kp = steps * 4;
-  TORCH_CHECK(kp == (k + 3) / 4 * 4, "int8 linear: input has ", k, " features");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
   // rows past m up to a whole A tile are zero (more than one tile's rows: every tile is loaded whole)
