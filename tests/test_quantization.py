@@ -16,6 +16,7 @@ from specdec.models.linear import (
     Avx2Int8Linear,
     Int8Linear,
     OneDnnInt8Linear,
+    PanelLinear,
     VnniInt8Linear,
     float32_linear,
     linear_kernel,
@@ -186,6 +187,17 @@ def test_onednn_int8_is_exact_where_the_cpu_has_vnni():
     weight, x = torch.randn(96, 300, generator=g) * 0.05, torch.randn(5, 300, generator=g) * 30
     linear = OneDnnInt8Linear(weight)
     assert torch.equal(linear(x), exact_int8_linear(linear, weight, x))
+
+
+@pytest.mark.parametrize("kernel", [*SPECDEC_INT8_KERNELS, pytest.param(PanelLinear, marks=pytest.mark.skipif(
+    kernels.fp32_linear() is None, reason="no specdec float32 kernel on this CPU"))])
+@pytest.mark.parametrize("features", [127, 129, 64])
+def test_specdec_kernels_refuse_an_input_of_other_in_features(kernel, features):
+    """The kernels pad in-features to their packing (127 would fit 128's): a wrong width is an error, not a guess."""
+    linear = kernel(torch.randn(8, 128))
+    with pytest.raises(ValueError, match="128 in-features got an input of"):
+        linear(torch.randn(2, features))
+    assert linear(torch.randn(2, 128)).shape == (2, 8)
 
 
 def test_int8_kernel_is_chosen_once_per_process():

@@ -25,9 +25,9 @@ from specdec.config import AUTO_QUANTIZATION, QUANTIZATION_METHODS
 from specdec.models import kernels
 
 # The formats "auto" picks on a CPU with oneDNN's int8 kernels, from end-to-end measurements
-# (BENCHMARKS.md: formats and draft_model sections): int8 makes plain decoding ~3× faster than
-# float32 at +0.4–0.8% NLL, and the fastest speculative configuration is an int8 target with an
-# int8 draft. Elsewhere (CUDA, non-float32 dtypes) "auto" keeps the float weights.
+# (BENCHMARKS.md: formats and draft_model sections): int8 makes plain decoding 3–4× faster than
+# float32 at 0–0.3% more NLL (its activations smoothed: models/smoothing.py), and the fastest speculative
+# configuration is an int8 target with an int8 draft. Elsewhere (CUDA, non-float32 dtypes) "auto" keeps the float weights.
 DEFAULT_TARGET_QUANTIZATION = "int8"
 DEFAULT_DRAFT_QUANTIZATION = "int8"
 
@@ -40,7 +40,10 @@ NativeEntry = tuple[object, list[torch.Tensor], int]
 
 def _rows(x: torch.Tensor, in_features: int) -> torch.Tensor:
     """x as the [rows, in] a specdec kernel takes: the decoder's 2-D inputs as they are (a reshape and a view back
-    cost ~2.5 µs a call, and a forward makes 113)."""
+    cost ~2.5 µs a call, and a forward makes 113). The kernels pad in-features to their packing, so an input a few
+    features short would run as if padded: it is refused here."""
+    if x.shape[-1] != in_features:
+        raise ValueError(f"linear layer of {in_features} in-features got an input of {x.shape[-1]}")
     return x if x.dim() == 2 else x.reshape(-1, in_features)
 
 
@@ -124,7 +127,7 @@ class Int8Linear:
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.float()
         scale = (weight.abs().amax(dim=1) / 127).clamp_(min=torch.finfo(torch.float32).tiny)
-        self._init(torch.round(weight / scale[:, None]).to(torch.int8), scale, bias)
+        self._init(weight.div(scale[:, None]).round_().to(torch.int8), scale, bias)
 
     @classmethod
     def from_quantized(cls, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +14,8 @@ from safetensors import safe_open
 
 from specdec.models import zoo
 from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, rope_inverse_frequencies
-from specdec.models.linear import linear_kernel
+from specdec.models.linear import DenseLinear, LinearKernel, linear_kernel
+from specdec.models.smoothing import cached_activation_ranges, calibration_ids, smoothed_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -76,10 +79,37 @@ def load_decoder(
 ) -> Decoder:
     """Load the native decoder with every linear layer in one format (see `linear_kernel`):
     `quantization` None keeps `dtype` weights (float32 CPU weights packed once for their CPU kernel
-    unless `prepack=False`), "int8" quantizes them once here. The embedding stays in `dtype`."""
+    unless `prepack=False`), "int8" quantizes them once here, layer by layer, after smoothing their
+    activations' outlier channels into the weights (models/smoothing.py: the activations measured once per checkpoint
+    with its float32 weights, then cached). The embedding stays in `dtype`."""
     hf_config = load_hf_config(model_dir)
     linear = linear_kernel(dtype, device, quantization, prepack)
+    name = decoder_name(model_dir, quantization or str(dtype).removeprefix("torch."))
+    if quantization is None:
+        return _native_decoder(model_dir, hf_config, dtype, device, name, linear, lambda i, layer: _packed(layer, linear))
 
+    def float32_decoder() -> Decoder:  # to measure the activations where they are not cached yet
+        return _native_decoder(model_dir, hf_config, torch.float32, device, name, DenseLinear, lambda i, layer: layer)
+
+    ids = calibration_ids(_tokenizer_if_any(model_dir), DecoderConfig.from_hf(hf_config).vocab_size)
+    ranges = cached_activation_ranges(model_dir, ids, zoo.cache_dir(), float32_decoder)
+    return _native_decoder(model_dir, hf_config, torch.float32, device, name, linear,
+                           lambda i, layer: smoothed_layer(layer, ranges, i, linear))
+
+
+# a layer's index and its weights as read (`DenseLinear` products, the loader's dtype) → the layer as loaded
+LayerBuilder = Callable[[int, LayerWeights], LayerWeights]
+
+
+def _packed(layer: LayerWeights, linear: LinearKernel) -> LayerWeights:
+    return dataclasses.replace(layer, **{name: linear(getattr(layer, name).weight, getattr(layer, name).bias)
+                                         for name in ("qkv", "o", "gate_up", "down")})
+
+
+def _native_decoder(model_dir: Path, hf_config: Any, dtype: torch.dtype, device: str, name: str, linear: LinearKernel,
+                    build_layer: LayerBuilder) -> Decoder:
+    """The decoder with each layer built by `build_layer` as it is read (so a quantized model never holds all of its
+    float weights at once) and the output layer by `linear`."""
     config = DecoderConfig.from_hf(hf_config)
     weights = _read_safetensors(model_dir)
 
@@ -100,16 +130,14 @@ def load_decoder(
         p = f"model.layers.{i}."
         attn = [f"{p}self_attn.{x}_proj" for x in "qkv"]
         mlp = [f"{p}mlp.{x}_proj" for x in ("gate", "up")]
-        layers.append(
-            LayerWeights(
-                input_norm=take(p + "input_layernorm.weight"),
-                qkv=linear(fused([a + ".weight" for a in attn]), fused([a + ".bias" for a in attn], config.attention_bias)),
-                o=linear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False)),
-                post_norm=take(p + "post_attention_layernorm.weight"),
-                gate_up=linear(fused([m + ".weight" for m in mlp]), fused([m + ".bias" for m in mlp], config.mlp_bias)),
-                down=linear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
-            )
-        )
+        layers.append(build_layer(i, LayerWeights(
+            input_norm=take(p + "input_layernorm.weight"),
+            qkv=DenseLinear(fused([a + ".weight" for a in attn]), fused([a + ".bias" for a in attn], config.attention_bias)),
+            o=DenseLinear(take(p + "self_attn.o_proj.weight"), take(p + "self_attn.o_proj.bias", False)),
+            post_norm=take(p + "post_attention_layernorm.weight"),
+            gate_up=DenseLinear(fused([m + ".weight" for m in mlp]), fused([m + ".bias" for m in mlp], config.mlp_bias)),
+            down=DenseLinear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
+        )))
     embed = take("model.embed_tokens.weight")
     lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
     inv_freq, scaling = rope_inverse_frequencies(hf_config)
@@ -121,8 +149,16 @@ def load_decoder(
         lm_head=linear(embed if lm_head is None else lm_head, None),
         inv_freq=inv_freq.to(device),
         attention_scaling=scaling,
-        name=decoder_name(model_dir, quantization or str(dtype).removeprefix("torch.")),
+        name=name,
     )
+
+
+def _tokenizer_if_any(model_dir: Path) -> Any | None:
+    """The checkpoint's tokenizer, or None where the directory has none."""
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError):
+        return None
 
 
 def decoder_name(model_dir: Path, weight_format: str) -> str:
