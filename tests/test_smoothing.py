@@ -4,6 +4,7 @@ activations have outlier channels, statistics measured once per checkpoint."""
 from __future__ import annotations
 
 import os
+import shutil
 
 import pytest
 import torch
@@ -142,3 +143,16 @@ def test_int8_loads_smoothed_with_the_layer_norms_scaled_and_the_output_hidden_s
     assert not torch.equal(int8.layers[0].input_norm, dense.layers[0].input_norm)
     assert not torch.equal(int8.layers[0].post_norm, dense.layers[0].post_norm)
     assert torch.equal(int8.final_norm, dense.final_norm) and torch.equal(int8.embed, dense.embed)
+
+
+def test_int8_calibrates_on_the_texts_bytes_where_the_checkpoint_has_no_tokenizer(tiny_qwen, tmp_path):
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    for file in tiny_qwen.iterdir():
+        if file.name == "config.json" or file.suffix == ".safetensors":
+            shutil.copy(file, bare / file.name)
+    int8 = load_decoder(bare, quantization="int8")
+    dense = load_decoder(bare, prepack=False)
+    ranges = activation_ranges(dense, calibration_ids(None, dense.config.vocab_size))
+    ids = list(range(5, 200, 7))
+    assert torch.equal(logits(int8, ids), logits(smoothed_decoder(dense, ranges, int8_linear()), ids))

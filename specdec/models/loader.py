@@ -153,12 +153,13 @@ def _native_decoder(model_dir: Path, hf_config: Any, dtype: torch.dtype, device:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
 def _tokenizer_if_any(model_dir: Path) -> Any | None:
-    """The checkpoint's tokenizer, or None where the directory has none."""
-    try:
-        return load_tokenizer(model_dir)
-    except (OSError, ValueError):
-        return None
+    """The checkpoint's tokenizer, or None where the directory has no tokenizer files (transformers would build an
+    empty one, which encodes no text)."""
+    return load_tokenizer(model_dir) if any((model_dir / name).exists() for name in TOKENIZER_FILES) else None
 
 
 def decoder_name(model_dir: Path, weight_format: str) -> str:
