@@ -118,8 +118,8 @@ def smoothed_layer(layer: LayerWeights, ranges: dict[str, torch.Tensor], index: 
     s_qkv = smoothing_scales(ranges[f"layers.{index}.qkv"], layer.qkv.weight, alpha)
     s_gate_up = smoothing_scales(ranges[f"layers.{index}.gate_up"], layer.gate_up.weight, alpha)
     s_down = smoothing_scales(ranges[f"layers.{index}.down"], layer.down.weight, alpha)
-    gate_up, gate_up_bias = _with_up_rows_divided(layer.gate_up, layer.gate_up.weight * s_gate_up.to(layer.gate_up.weight),
-                                                  s_down)
+    gate_up_weight = layer.gate_up.weight * s_gate_up.to(layer.gate_up.weight)
+    gate_up, gate_up_bias = _with_up_rows_divided(layer.gate_up, gate_up_weight, s_down)
     return LayerWeights(
         input_norm=layer.input_norm / s_qkv.to(layer.input_norm),
         qkv=linear(layer.qkv.weight * s_qkv.to(layer.qkv.weight), layer.qkv.bias),
@@ -130,7 +130,8 @@ def smoothed_layer(layer: LayerWeights, ranges: dict[str, torch.Tensor], index: 
     )
 
 
-def _with_up_rows_divided(gate_up: DenseLinear, weight: torch.Tensor, divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _with_up_rows_divided(gate_up: DenseLinear, weight: torch.Tensor,
+                          divisor: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`weight` (the fused gate/up weight, a copy) and the bias with the up projection's output channels divided by
     `divisor`, in place: SwiGLU's silu(gate) · up then divides the down projection's input channels by it."""
     half = gate_up.out_features // 2
