@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from specdec.kv_cache import KVCache
 from specdec.models import kernels
-from specdec.models.batch import ForwardBatch, ForwardOutput
+from specdec.models.batch import ForwardBatch, ForwardOutput, SequenceInput
 from specdec.models.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
@@ -352,6 +352,22 @@ class Decoder:
         if any(paths):
             cache.write(layer, slot, cached, k.transpose(0, 1), v.transpose(0, 1))
         return torch.cat(rows).view(n, -1)  # [n, kv_heads · group · head_dim]
+
+
+def hidden_states(model: Decoder, token_ids: list[int], chunk_tokens: int,
+                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The target's final hidden states [n, H] of a token sequence (one KV slot, fed `chunk_tokens` at a time), and
+    where `layers` are given, those layers' outputs side by side [n, len(layers) · H]."""
+    cache = model.new_kv_cache(1, len(token_ids))
+    slot = cache.allocate()
+    parts, aux = [], []
+    for start in range(0, len(token_ids), chunk_tokens):
+        inputs = [SequenceInput(slot, token_ids[start : start + chunk_tokens], num_logits=1)]
+        out = model.forward(ForwardBatch.build(inputs, [start], hidden_layers=layers), cache)
+        parts.append(out.hidden)
+        if layers:
+            aux.append(torch.cat([out.layer_hidden[i] for i in layers], dim=-1))
+    return torch.cat(parts), torch.cat(aux) if layers else None
 
 
 def _causal(cached: int, n: int, device: torch.device) -> torch.Tensor:

@@ -21,8 +21,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from tqdm import tqdm
 
-from specdec.models.batch import ForwardBatch, SequenceInput
-from specdec.models.decoder import Decoder
+from specdec.models.decoder import Decoder, hidden_states
 
 
 @dataclass(frozen=True)
@@ -87,22 +86,6 @@ def generation_requests(tokenizer: Any, config: CorpusConfig, count: int) -> lis
                                                     tokenize=False)
         requests.append(content)
     return requests
-
-
-def hidden_states(model: Decoder, token_ids: list[int], chunk_tokens: int,
-                  layers: tuple[int, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The target's final hidden states [n, H] of a token sequence (one KV slot, fed `chunk_tokens` at a time), and
-    where `layers` are given, those layers' outputs side by side [n, len(layers) · H]."""
-    cache = model.new_kv_cache(1, len(token_ids))
-    slot = cache.allocate()
-    parts, aux = [], []
-    for start in range(0, len(token_ids), chunk_tokens):
-        inputs = [SequenceInput(slot, token_ids[start : start + chunk_tokens], num_logits=1)]
-        out = model.forward(ForwardBatch.build(inputs, [start], hidden_layers=layers), cache)
-        parts.append(out.hidden)
-        if layers:
-            aux.append(torch.cat([out.layer_hidden[i] for i in layers], dim=-1))
-    return torch.cat(parts), torch.cat(aux) if layers else None
 
 
 def write_shards(llm: Any, directory: Path, config: CorpusConfig, layers: tuple[int, ...] = ()) -> list[Path]:
