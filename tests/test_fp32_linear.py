@@ -16,9 +16,10 @@ from specdec.models.linear import PanelLinear, PrepackedLinear
 pytestmark = pytest.mark.skipif(kernels.fp32_linear() is None, reason="no AVX-512 or AVX2 on this CPU (or no compiler)")
 ISAS = pytest.mark.parametrize("isa", [pytest.param(isa, id=isa.name) for isa in kernels.runnable_isas()])
 
-# AVX-512: rows 1–4 (Zen 4: 1–6) take one tile over four panels (fewer at the last channels), the rest up to 24 one
-# tile over one panel; more rows take several tiles over chunks of 512 inputs (the partial sums kept in the output
-# between chunks). AVX2: 1–3 rows over two panels, 4–6 over one, more in tiles of 6 rows over one panel, by chunks.
+# AVX-512: rows 1–4 (Zen 4: 1–6; Intel: 1–5) take one tile over four panels (fewer at the last channels), the rest
+# up to 24 one tile over one panel (Intel: 6–12 over two); more rows take several tiles over chunks of 512 inputs (the
+# partial sums kept in the output between chunks). AVX2: 1–3 rows over two panels, 4–6 over one, more in tiles of 6
+# rows over one panel, by chunks.
 ROWS = st.sampled_from([1, 2, 4, 5, 6, 7, 8, 12, 16, 24, 25, 31, 64])
 
 
@@ -55,6 +56,17 @@ def test_six_rows_are_accurate_and_bitwise_alone_over_any_count_of_inputs(isa, i
     g = torch.Generator().manual_seed(in_features)
     weight, bias = torch.randn(200, in_features, generator=g), torch.randn(200, generator=g)
     x = torch.randn(6, in_features, generator=g) * torch.logspace(-2, 2, 6)[:, None]
+    assert_accurate_and_row_invariant(PanelLinear(weight, bias, isa), x, weight, bias)
+
+
+@ISAS
+@pytest.mark.parametrize("rows", range(1, 17))
+def test_each_row_count_of_verification_is_accurate_and_bitwise_alone(isa, rows):
+    """Every row count a verification forward brings (1–16), over channels that end in a partial panel and an odd
+    panel (40 channels: two panels and a half), so each host's tiles for it run, the last group's too."""
+    g = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(40, 300, generator=g), torch.randn(40, generator=g)
+    x = torch.randn(rows, 300, generator=g) * torch.logspace(-2, 2, rows)[:, None]
     assert_accurate_and_row_invariant(PanelLinear(weight, bias, isa), x, weight, bias)
 
 

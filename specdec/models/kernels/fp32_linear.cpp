@@ -150,9 +150,11 @@ constexpr int64_t steps_ahead(Fetch fetch, int nr) {
   return fetch == Fetch::kNone ? 0 : fetch == Fetch::kEachStream ? kPrefetchSteps : kPrefetchSteps / nr;
 }
 constexpr _mm_hint level(Fetch fetch) { return fetch == Fetch::kSpreadIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0; }
-// tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel; 1 … kMaxRowsOverPanels rows over 2 … 4 (fewer
-// than four: the last panels of a call); the rest unused
+// tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel, 1 … kMaxRowsOverTwoPanels over two (Intel: calls
+// of 8–12 rows), 1 … kMaxRowsOverPanels rows over three or four (fewer than four: the last panels of a call); the
+// rest unused
 constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
+constexpr int kMaxRowsOverTwoPanels = kMaxAccumulators / 2;
 using Tiles = std::array<std::array<TileFn, kMaxAccumulators>, kMaxPanels>;
 template <Fetch kFetch>
 Tiles tiles_fetching() {
@@ -160,7 +162,7 @@ Tiles tiles_fetching() {
   const auto t1 = tiles_of<1, steps_ahead(kFetch, 1), level(kFetch)>(
       std::make_integer_sequence<int, kMaxAccumulators>{});
   const auto t2 = tiles_of<2, steps_ahead(kFetch, 2), level(kFetch)>(
-      std::make_integer_sequence<int, kMaxRowsOverPanels>{});
+      std::make_integer_sequence<int, kMaxRowsOverTwoPanels>{});
   const auto t3 = tiles_of<3, steps_ahead(kFetch, 3), level(kFetch)>(
       std::make_integer_sequence<int, kMaxRowsOverPanels>{});
   const auto t4 = tiles_of<4, steps_ahead(kFetch, 4), level(kFetch)>(
@@ -202,12 +204,18 @@ const Tiles kSixRowInputsAheadTiles =
 // (prefetched into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows and more do not fit four panels'
 // accumulators.
 // On an Intel host (AVX-512, AMX; ~34 GB/s) 1–5 rows read four panels (1 row left to the hardware prefetcher, 2–5
-// prefetched into L1 spread over them) and 6–24 one stream prefetched into L2. Over the 1.5B's 113 products (random
-// weights, two threads, paired shuffled rounds, bitwise equal), against the Zen 5 choice: 0.84 of the time at 5 rows,
-// 0.88 at 6, 0.91 at 8, 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over one stream into L2: 0.89; 6 rows as on Zen
-// 4 (four panels, the inputs fetched ahead): 0.96; the Zen 4 choice whole: 1.10–1.14× at 2–4 rows.
+// prefetched into L1 spread over them), 6–12 two (prefetched into L1 spread over them), 13–24 one stream prefetched
+// into L2. Over the 1.5B's 113 products (random weights, two threads, paired shuffled rounds, bitwise equal), against
+// the Zen 5 choice: 0.84 of the time at 5 rows, 0.88 at 6, 0.91 at 8, 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over
+// one stream into L2: 0.89; 6 rows as on Zen 4 (four panels, the inputs fetched ahead): 0.96; the Zen 4 choice whole:
+// 1.10–1.14× at 2–4 rows. Then two panels against that one stream (fortieth session; 8 rounds): 0.95 at 6 rows, 0.92
+// at 7, 0.90 at 8 (0.90–0.94 in three runs), 0.84 at 12 (0.82–0.85 in four). A 12-row tile's 24 accumulators take a
+// broadcast input for two multiply-adds, where one stream's 16-row tile loads an input for each (load ports, not the
+// multiply-adds, bound it). 16 rows over two panels, as two tiles of 8 sharing chunks of 256 k-steps from L1: 1.04–1.08×
+// (the second tile prefetching the next chunk into L2: 1.00); tiles of 6 rows over four panels from 8 rows: 1.15–1.28×.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
+  int two_panel_min_rows, two_panel_max_rows;  // calls of these rows read two panels (none: min > max)
   const Tiles& tiles;
   const Tiles& few_row_tiles;
 };
@@ -219,9 +227,9 @@ Tiles one_stream_into_l2(Tiles tiles) {
 const Tiles kIntelTiles = one_stream_into_l2(kSpreadTiles);
 const OneTileCalls kOneTileCalls = [] {
   if (simd::kWide && specdec::host() == specdec::Host::kZen4)
-    return OneTileCalls{7, 7, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles};
-  if (simd::kWide && specdec::host() == specdec::Host::kIntel) return OneTileCalls{6, 2, kIntelTiles, kTiles};
-  return OneTileCalls{kOneStreamRows, kPrefetchMinRows, kSpreadTiles, kTiles};
+    return OneTileCalls{7, 7, 1, 0, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles};
+  if (simd::kWide && specdec::host() == specdec::Host::kIntel) return OneTileCalls{6, 2, 6, 12, kIntelTiles, kTiles};
+  return OneTileCalls{kOneStreamRows, kPrefetchMinRows, 1, 0, kSpreadTiles, kTiles};
 }();
 
 // x [M, K] → [K, M], each k-step's inputs side by side, as a call of one tile reads them. PyTorch's transposed copy
@@ -278,7 +286,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(panels == (n + kLanes - 1) / kLanes, "fp32 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const int nr = m < kOneTileCalls.one_stream_rows ? kFewRowPanels : m <= kMaxAccumulators ? 1 : kWidePanels;
+  const bool two_panels = m >= kOneTileCalls.two_panel_min_rows && m <= kOneTileCalls.two_panel_max_rows;
+  const int nr = m < kOneTileCalls.one_stream_rows ? kFewRowPanels
+                 : two_panels                       ? 2
+                 : m <= kMaxAccumulators            ? 1
+                                                    : kWidePanels;
   const int64_t max_rows = kMaxAccumulators / nr, row_tiles = (m + max_rows - 1) / max_rows;
   // k-major inputs, a k-step's inputs of a tile side by side: [K, M] for one tile, else [tiles][K][max_rows] (the
   // last tile padded with zero rows)
