@@ -8,10 +8,10 @@
 // accumulators in registers (≤ 24 zmm; AVX2: ≤ 6 vectors of two ymm) and reads NR streams; the rows' inputs come
 // k-major (x transposed once), so a k-step's broadcasts share a line.
 // AVX-512: up to 24 rows take one tile (1–4 rows over 4 panels, 5–24 over 1; on Zen 4 1–6 and 7–24, on Intel 1–5
-// and 6–24), so every weight is read from memory once; more rows take tiles of ≤ 6 rows over 4 panels, K cut into
-// chunks that the tiles share from L2 (the partial sums wait in y between chunks: storing a float32 and loading it
-// back is exact, so the chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1, more rows tiles of ≤ 6 rows
-// over 1 panel sharing chunks.
+// over 4, 6–12 over 2 and 13–24 over 1), so every weight is read from memory once; more rows take tiles of ≤ 6 rows
+// over 4 panels, K cut into chunks that the tiles share from L2 (the partial sums wait in y between chunks: storing
+// a float32 and loading it back is exact, so the chain is unchanged). AVX2: 1–3 rows over 2 panels, 4–6 over 1,
+// more rows tiles of ≤ 6 rows over 1 panel sharing chunks.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -151,7 +151,7 @@ constexpr int64_t steps_ahead(Fetch fetch, int nr) {
 }
 constexpr _mm_hint level(Fetch fetch) { return fetch == Fetch::kSpreadIntoL2 ? _MM_HINT_T1 : _MM_HINT_T0; }
 // tiles[NR − 1][MR − 1]: 1 … kMaxAccumulators rows over one panel, 1 … kMaxRowsOverTwoPanels over two (Intel: calls
-// of 8–12 rows), 1 … kMaxRowsOverPanels rows over three or four (fewer than four: the last panels of a call); the
+// of 6–12 rows), 1 … kMaxRowsOverPanels rows over three or four (fewer than four: the last panels of a call); the
 // rest unused
 constexpr int kMaxRowsOverPanels = kMaxAccumulators / kFewRowPanels;
 constexpr int kMaxRowsOverTwoPanels = kMaxAccumulators / 2;
@@ -209,9 +209,9 @@ const Tiles kSixRowInputsAheadTiles =
 // the Zen 5 choice: 0.84 of the time at 5 rows, 0.88 at 6, 0.91 at 8, 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over
 // one stream into L2: 0.89; 6 rows as on Zen 4 (four panels, the inputs fetched ahead): 0.96; the Zen 4 choice whole:
 // 1.10–1.14× at 2–4 rows. Then two panels against that one stream (fortieth session; 8 rounds): 0.95 at 6 rows, 0.92
-// at 7, 0.90 at 8 (0.90–0.94 in three runs), 0.84 at 12 (0.82–0.85 in four). A 12-row tile's 24 accumulators take a
+// at 7, 0.90 at 8 (0.90–0.94 in three runs), 0.84 at 12 (0.82–0.85 in three). A 12-row tile's 24 accumulators take a
 // broadcast input for two multiply-adds, where one stream's 16-row tile loads an input for each (load ports, not the
-// multiply-adds, bound it). 16 rows over two panels, as two tiles of 8 sharing chunks of 256 k-steps from L1: 1.04–1.08×
+// multiply-adds, bound it). 16 rows over two panels, as two tiles of 8 sharing chunks of 256–512 k-steps: 1.04–1.09×
 // (the second tile prefetching the next chunk into L2: 1.00); tiles of 6 rows over four panels from 8 rows: 1.15–1.28×.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
