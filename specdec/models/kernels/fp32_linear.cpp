@@ -196,7 +196,8 @@ Tiles with_six_row_inputs_ahead(Tiles tiles, std::integer_sequence<int, NR...>) 
 const Tiles kSixRowInputsAheadTiles =
     with_six_row_inputs_ahead(kTiles, std::make_integer_sequence<int, simd::kWide ? kMaxPanels : 0>{});
 
-// Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels) and prefetch it
+// Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels; up to
+// two_panel_rows: two panels) and prefetch it
 // (fewer: the hardware prefetcher alone, with few_row_tiles), and with which tiles; chosen once for the host. On Zen
 // 4, 6 rows over four panels left to the hardware prefetcher, against one stream into L2 (real 1.5B forwards at k = 6,
 // contexts 128 and 1024, two threads, paired shuffled rounds, bitwise equal): 0.943–0.965 of the time in slow memory
@@ -215,7 +216,7 @@ const Tiles kSixRowInputsAheadTiles =
 // (the second tile prefetching the next chunk into L2: 1.00); tiles of 6 rows over four panels from 8 rows: 1.15–1.28×.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
-  int two_panel_min_rows, two_panel_max_rows;  // calls of these rows read two panels (none: min > max)
+  int two_panel_rows;  // calls of one_stream_rows … two_panel_rows rows read two panels instead (none: 0)
   const Tiles& tiles;
   const Tiles& few_row_tiles;
 };
@@ -227,9 +228,9 @@ Tiles one_stream_into_l2(Tiles tiles) {
 const Tiles kIntelTiles = one_stream_into_l2(kSpreadTiles);
 const OneTileCalls kOneTileCalls = [] {
   if (simd::kWide && specdec::host() == specdec::Host::kZen4)
-    return OneTileCalls{7, 7, 1, 0, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles};
-  if (simd::kWide && specdec::host() == specdec::Host::kIntel) return OneTileCalls{6, 2, 6, 12, kIntelTiles, kTiles};
-  return OneTileCalls{kOneStreamRows, kPrefetchMinRows, 1, 0, kSpreadTiles, kTiles};
+    return OneTileCalls{7, 7, 0, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles};
+  if (simd::kWide && specdec::host() == specdec::Host::kIntel) return OneTileCalls{6, 2, 12, kIntelTiles, kTiles};
+  return OneTileCalls{kOneStreamRows, kPrefetchMinRows, 0, kSpreadTiles, kTiles};
 }();
 
 // x [M, K] → [K, M], each k-step's inputs side by side, as a call of one tile reads them. PyTorch's transposed copy
@@ -286,11 +287,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, c10::optional<torch:
   TORCH_CHECK(panels == (n + kLanes - 1) / kLanes, "fp32 linear: ", n, " outputs do not fit ", panels, " panels");
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
-  const bool two_panels = m >= kOneTileCalls.two_panel_min_rows && m <= kOneTileCalls.two_panel_max_rows;
-  const int nr = m < kOneTileCalls.one_stream_rows ? kFewRowPanels
-                 : two_panels                       ? 2
-                 : m <= kMaxAccumulators            ? 1
-                                                    : kWidePanels;
+  const int nr = m < kOneTileCalls.one_stream_rows  ? kFewRowPanels
+                 : m <= kOneTileCalls.two_panel_rows ? 2
+                 : m <= kMaxAccumulators             ? 1
+                                                     : kWidePanels;
   const int64_t max_rows = kMaxAccumulators / nr, row_tiles = (m + max_rows - 1) / max_rows;
   // k-major inputs, a k-step's inputs of a tile side by side: [K, M] for one tile, else [tiles][K][max_rows] (the
   // last tile padded with zero rows)
