@@ -197,13 +197,12 @@ const Tiles kSixRowInputsAheadTiles =
     with_six_row_inputs_ahead(kTiles, std::make_integer_sequence<int, simd::kWide ? kMaxPanels : 0>{});
 
 // Calls of one tile (up to 24 rows): from how many rows they read one stream (fewer: kFewRowPanels; up to
-// two_panel_rows: two panels) and prefetch it
-// (fewer: the hardware prefetcher alone, with few_row_tiles), and with which tiles; chosen once for the host. On Zen
-// 4, 6 rows over four panels left to the hardware prefetcher, against one stream into L2 (real 1.5B forwards at k = 6,
-// contexts 128 and 1024, two threads, paired shuffled rounds, bitwise equal): 0.943–0.965 of the time in slow memory
-// (8 runs of 16 rounds), 1.00–1.01 in fast (2 runs). Over a 400 MB product: two threads in slow memory 0.945–0.96
-// (prefetched into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows and more do not fit four panels'
-// accumulators.
+// two_panel_rows: two panels) and prefetch it (fewer: the hardware prefetcher alone, with few_row_tiles), and with
+// which tiles; chosen once for the host. On Zen 4, 6 rows over four panels left to the hardware prefetcher, against one
+// stream into L2 (real 1.5B forwards at k = 6, contexts 128 and 1024, two threads, paired shuffled rounds, bitwise
+// equal): 0.943–0.965 of the time in slow memory (8 runs of 16 rounds), 1.00–1.01 in fast (2 runs). Over a 400 MB
+// product: two threads in slow memory 0.945–0.96 (prefetched into L2 as well: 0.965–0.97), one thread 0.98–1.01. 7 rows
+// and more do not fit four panels' accumulators.
 // On an Intel host (AVX-512, AMX; ~34 GB/s) 1–5 rows read four panels (1 row left to the hardware prefetcher, 2–5
 // prefetched into L1 spread over them), 6–12 two (prefetched into L1 spread over them), 13–24 one stream prefetched
 // into L2. Over the 1.5B's 113 products (random weights, two threads, paired shuffled rounds, bitwise equal), against
