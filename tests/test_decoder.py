@@ -12,7 +12,14 @@ from transformers import AutoModelForCausalLM
 from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
-from specdec.models.linear import Avx2Int8Linear, DenseLinear, PanelLinear, float32_linear, int8_linear
+from specdec.models.linear import (
+    Avx2Int8Linear,
+    DenseLinear,
+    PanelLinear,
+    float32_linear,
+    gate_up_product,
+    int8_linear,
+)
 from specdec.models.loader import load_decoder
 from specdec.spec.tree import ROOT, TokenTree
 
@@ -205,9 +212,11 @@ def _steps(decoder) -> list:
 
 
 def _with_linears(source: Decoder, make_linear) -> Decoder:
-    """`source` (dense float32 weights) with every layer's products made by `make_linear(weight, bias)`."""
+    """`source` (dense float32 weights) with every layer's products made by `make_linear(weight, bias)` (the gate/up
+    product applying SwiGLU where that kernel offers it, as the loader makes it)."""
     layers = [dataclasses.replace(layer, **{name: make_linear(getattr(layer, name).weight, getattr(layer, name).bias)
-                                            for name in ("qkv", "o", "gate_up", "down")})
+                                            for name in ("qkv", "o", "down")},
+                                  gate_up=gate_up_product(make_linear, layer.gate_up.weight, layer.gate_up.bias))
               for layer in source.layers]
     return Decoder(source.config, source.embed, layers, source.final_norm, source.lm_head, source.inv_freq)
 
@@ -264,7 +273,7 @@ def test_layer_loop_refuses_a_wrong_entry_or_rows(tiny_qwen):
         pytest.skip("no layer loop on this CPU (or no compiler)")
     layer, norms = decoder.layers[0], decoder.norm_swiglu
     swapped = (layer.input_norm, layer.qkv.entry, layer.o.entry, layer.post_norm, layer.gate_up.entry,
-               (norms.swiglu_entry, [], 1))
+               (norms.swiglu_entry, [], 1), False)
     with pytest.raises(RuntimeError, match="specdec.entry.linear"):
         kernels.layer_loop().LayerStack([swapped], None, 1e-6, 1.0, decoder.row_attention.attend_entry,
                                         norms.rms_norm_entry, norms.add_rms_norm_entry, norms.swiglu_entry)

@@ -14,15 +14,19 @@ from specdec.models.linear import (
     DEFAULT_TARGET_QUANTIZATION,
     AmxInt8Linear,
     Avx2Int8Linear,
+    DenseLinear,
     Int8Linear,
     OneDnnInt8Linear,
     PanelLinear,
     VnniInt8Linear,
     float32_linear,
+    gate_up_product,
+    int8_linear,
     linear_kernel,
+    place_contiguously,
     resolve_quantization,
 )
-from specdec.models import kernels
+from specdec.models import kernels, smoothing
 from specdec.models.loader import load_decoder
 
 needs_vnni = pytest.mark.skipif(kernels.int8_vnni() is None, reason="no AVX-512 VNNI on this CPU (or no compiler)")
@@ -165,6 +169,90 @@ def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
     linear = kernel(weight, bias)
     assert linear.packed.data_ptr() % 2**21 == 0
     assert torch.equal(linear(x), exact_int8_linear(linear, weight, x))
+
+
+@pytest.mark.parametrize("kernel", [*SPECDEC_INT8_KERNELS, pytest.param(PanelLinear, marks=pytest.mark.skipif(
+    kernels.fp32_linear() is None, reason="specdec's float32 kernel does not build here"))])
+def test_products_placed_one_after_another_on_huge_pages_compute_as_before(kernel):
+    """`place_contiguously` moves each product's packed weights into one mapping in the given order (a 3 MiB product,
+    a 96 KiB one, a 3 MiB one: on their own the small one's are PyTorch's and the others' tails on small pages); the
+    first starts on a 2 MiB boundary, each next one at the 4 KiB boundary after the one before, and every product's
+    outputs, at 1 and 16 rows, are bitwise those before the move. Products of other kernels are left where they are."""
+    g = torch.Generator().manual_seed(11)
+    shapes = [(2048, 1536), (64, 1536), (2048, 1536)]
+    products = [kernel(torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)) for n, k in shapes]
+    dense = DenseLinear(torch.randn(8, 1536, generator=g))
+    xs = [torch.randn(rows, 1536, generator=g) for rows in (1, 16)]
+    before = [[product(x) for x in xs] for product in products]
+    dense_weights = dense.weight.data_ptr()
+    place_contiguously([products[0], dense, *products[1:]])
+    starts = [product.packed.data_ptr() for product in products]
+    sizes = [product.packed.numel() * product.packed.element_size() for product in products]
+    assert starts[0] % 2**21 == 0
+    assert [b - a for a, b in zip(starts, starts[1:])] == [(size + 4095) // 4096 * 4096 for size in sizes[:-1]]
+    assert all(torch.equal(product(x), y) for product, ys in zip(products, before) for x, y in zip(xs, ys))
+    assert dense.weight.data_ptr() == dense_weights
+
+
+SWIGLU_INT8_KERNELS = [pytest.param(AmxInt8Linear, marks=needs_amx), pytest.param(VnniInt8Linear, marks=needs_vnni)]
+
+
+@pytest.mark.parametrize("kernel", SWIGLU_INT8_KERNELS)
+@pytest.mark.parametrize("in_features", [192, 200])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_products_that_apply_swiglu_give_the_products_bits_through_swiglu(kernel, in_features, with_bias):
+    """`Int8Linear.swiglu`: silu(gate) · up from the kernel's epilogue is bitwise the plain product's [gate; up]
+    outputs through the SwiGLU kernel, for rows in one tile and in several (the AMX path where K is a multiple of 64,
+    else the VNNI one), with and without a bias; its C++ entry asks for half the product's channels."""
+    g = torch.Generator().manual_seed(in_features)
+    weight = torch.randn(2 * 96, in_features, generator=g) * 0.05
+    bias = torch.randn(2 * 96, generator=g) if with_bias else None
+    plain, fused = kernel(weight, bias), kernel.swiglu(weight, bias)
+    assert fused.applies_swiglu and not plain.applies_swiglu
+    assert (fused.out_features, fused.output_features, fused.weight_bytes) == (192, 96, plain.weight_bytes)
+    swiglu = kernels.norm_swiglu().swiglu
+    for rows in (1, 3, 8, 16, 17, 40):
+        x = torch.randn(rows, in_features, generator=g)
+        assert torch.equal(fused(x), swiglu(plain(x))), rows
+    assert fused.entry[2] == 96
+
+
+@pytest.mark.parametrize("kernel", [pytest.param(Avx2Int8Linear, marks=needs_avx2_kernel),
+                                    pytest.param(OneDnnInt8Linear, marks=needs_vnni)])
+def test_kernels_without_a_swiglu_epilogue_keep_the_plain_gate_up_product(kernel):
+    weight = torch.randn(256, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="cannot apply SwiGLU"):
+        kernel.swiglu(weight)
+    product = gate_up_product(kernel, weight, None)
+    assert not product.applies_swiglu and product.output_features == 256
+
+
+@pytest.mark.parametrize("kernel", SWIGLU_INT8_KERNELS)
+def test_a_gate_up_product_of_other_sizes_stays_plain(kernel):
+    """SwiGLU takes whole 64-channel panels of 32 gate and 32 up channels: 2 × 48 rows do not make them."""
+    weight = torch.randn(96, 64, generator=torch.Generator().manual_seed(0))
+    with pytest.raises(ValueError, match="cannot apply SwiGLU"):
+        kernel.swiglu(weight)
+    assert not gate_up_product(kernel, weight, None).applies_swiglu
+
+
+def test_an_int8_decoders_gate_up_applies_swiglu_where_its_kernel_offers_it(tiny_qwen, monkeypatch):
+    """The loader builds each layer's gate/up product by `gate_up_product`; the decoder then skips the SwiGLU kernel,
+    and its logits are bitwise those of the same decoder with plain gate/up products."""
+    fused = load_decoder(tiny_qwen, quantization="int8")
+    assert all(layer.gate_up.applies_swiglu == int8_linear().fuses_swiglu for layer in fused.layers)
+    monkeypatch.setattr(smoothing, "gate_up_product", lambda kernel, weight, bias: kernel(weight, bias))
+    plain = load_decoder(tiny_qwen, quantization="int8")
+    assert not any(layer.gate_up.applies_swiglu for layer in plain.layers)
+    ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
+    assert torch.equal(logits(fused, ids), logits(plain, ids))
+
+
+def test_a_loaded_decoders_products_lie_in_forward_order(tiny_qwen):
+    decoder = load_decoder(tiny_qwen, quantization="int8")
+    products = [p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+    starts = [product.packed.data_ptr() for product in [*products, decoder.lm_head]]
+    assert starts == sorted(starts) and starts[0] % 2**21 == 0
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)

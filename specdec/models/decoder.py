@@ -136,7 +136,7 @@ class Decoder:
         entries = [[linear.entry for linear in (layer.qkv, layer.o, layer.gate_up, layer.down)] for layer in self.layers]
         if loop is None or any(entry is None for row in entries for entry in row):
             return None
-        layers = [(layer.input_norm, qkv, o, layer.post_norm, gate_up, down)
+        layers = [(layer.input_norm, qkv, o, layer.post_norm, gate_up, down, layer.gate_up.applies_swiglu)
                   for layer, (qkv, o, gate_up, down) in zip(self.layers, entries)]
         return loop.LayerStack(layers, self.final_norm, self.config.rms_norm_eps, self._attention_scale(),
                                self.row_attention.attend_entry, self.norm_swiglu.rms_norm_entry,
@@ -181,7 +181,8 @@ class Decoder:
                 qkv = layer.qkv(h) if index or qkv_offset is None else layer.qkv(h) + qkv_offset
                 attention = self._attention(qkv, cos, sin, index, batch, masks, cache, slot_views)
                 x, h = self._add_rms_norm(x, layer.o(attention), layer.post_norm)
-                mlp = layer.down(self._swiglu(layer.gate_up(h)))
+                gate_up = layer.gate_up(h)
+                mlp = layer.down(gate_up if layer.gate_up.applies_swiglu else self._swiglu(gate_up))
                 if index in batch.hidden_layers:
                     x, mlp = x + mlp, None
                     layer_hidden[index] = x

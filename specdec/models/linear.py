@@ -15,7 +15,7 @@ oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import ModuleType
 
 import torch
@@ -59,6 +59,7 @@ def _shaped_like(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
 
 class DenseLinear:
     entry: NativeEntry | None = None
+    applies_swiglu = False  # see Int8Linear.swiglu
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.weight = weight
@@ -74,6 +75,7 @@ class PrepackedLinear:
     """float32 on CPU through oneDNN with the weight reordered once (x: [rows, in])."""
 
     entry: NativeEntry | None = None
+    applies_swiglu = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight)
@@ -94,6 +96,8 @@ class PanelLinear:
     over the same memory reads; for prefill chunks it is ~10% slower than oneDNN. Its AVX2 build, with the AVX2
     attention and norm kernels, made the 1.5B's float32 forwards at 1–16 rows 1.7–2.3× faster than oneDNN's AVX2
     kernel with PyTorch's ops (an emulated AVX2 host; BENCHMARKS.md)."""
+
+    applies_swiglu = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, isa: kernels.Isa | None = None) -> None:
         self.kernel = kernels.fp32_linear(isa)
@@ -123,6 +127,8 @@ class Int8Linear:
     """
 
     entry: NativeEntry | None = None  # oneDNN's kernel has no C++ entry
+    fuses_swiglu = False  # whether `swiglu` builds a gate/up product here
+    applies_swiglu = False
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
         weight = weight.float()
@@ -135,6 +141,27 @@ class Int8Linear:
         linear = cls.__new__(cls)
         linear._init(quantized, scale, bias)
         return linear
+
+    @classmethod
+    def swiglu(cls, weight: torch.Tensor, bias: torch.Tensor | None = None) -> "Int8Linear":
+        """A layer's gate/up product (weight [2I, K]: the gate's rows, then the up's) whose call returns silu(gate) · up
+        [.., I] from its kernel's epilogue, bitwise the product's outputs through the SwiGLU kernel (norm_swiglu.cpp):
+        the rows packed so that each 64-channel panel holds 32 gate channels, then the same channels' up. Where the
+        kernel offers it (`fuses_swiglu`) and I is a multiple of 32."""
+        inner = weight.shape[0] // 2
+        if not cls.fuses_swiglu or weight.shape[0] != 2 * inner or inner % 32:
+            raise ValueError(f"{cls.__name__} cannot apply SwiGLU to a gate/up product of {weight.shape[0]} rows")
+        # panel p: gate rows 32p … 32p + 31, then up rows I + 32p …
+        order = torch.arange(2 * inner).view(2, inner // 32, 32).transpose(0, 1).reshape(-1)
+        linear = cls.__new__(cls)
+        linear.applies_swiglu = True
+        Int8Linear.__init__(linear, weight[order], None if bias is None else bias[order])
+        return linear
+
+    @property
+    def output_features(self) -> int:
+        """A call's outputs per row: out_features, or I of a gate/up product that applies SwiGLU."""
+        return self.out_features // 2 if self.applies_swiglu else self.out_features
 
     def _init(self, quantized: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None) -> None:
         self.scale = scale.float().contiguous()
@@ -178,14 +205,15 @@ class PackedInt8Linear(Int8Linear):
     def _pack(self, quantized: torch.Tensor) -> None:
         self.kernel = self.kernel_module()
         self.packed = self.kernel.pack(quantized)
-        self.linear, self.linear_entry = self.kernel.linear, self.kernel.linear_entry
+        self.linear, self.linear_entry = ((self.kernel.linear_swiglu, self.kernel.linear_swiglu_entry)
+                                          if self.applies_swiglu else (self.kernel.linear, self.kernel.linear_entry))
 
     @property
     def entry(self) -> NativeEntry:
-        return self.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.out_features
+        return self.linear_entry, _operands(self.packed, self.scale, bias=self.bias), self.output_features
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.out_features)
+        y = self.linear(_rows(x, self.in_features), self.packed, self.scale, self.bias, self.output_features)
         return _shaped_like(y, x)
 
 
@@ -197,6 +225,7 @@ class VnniInt8Linear(PackedInt8Linear):
     what reading the weights costs (BENCHMARKS.md)."""
 
     kernel_module = staticmethod(kernels.int8_vnni)
+    fuses_swiglu = True
 
 
 class AmxInt8Linear(VnniInt8Linear):
@@ -207,7 +236,9 @@ class AmxInt8Linear(VnniInt8Linear):
 
     def _pack(self, quantized: torch.Tensor) -> None:
         super()._pack(quantized)
-        self.linear, self.linear_entry = self.kernel.linear_amx, self.kernel.linear_amx_entry
+        self.linear, self.linear_entry = (
+            (self.kernel.linear_amx_swiglu, self.kernel.linear_amx_swiglu_entry) if self.applies_swiglu
+            else (self.kernel.linear_amx, self.kernel.linear_amx_entry))
 
 
 class Avx2Int8Linear(PackedInt8Linear):
@@ -236,6 +267,35 @@ def float32_linear() -> type[PanelLinear] | type[PrepackedLinear]:
 
 Linear = DenseLinear | PrepackedLinear | PanelLinear | Int8Linear
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Linear]
+
+
+def gate_up_product(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tensor | None) -> Linear:
+    """A layer's gate/up product ([gate; up] rows) by `kernel`: one that applies SwiGLU in its epilogue where the
+    kernel offers it (`Int8Linear.swiglu`), else the plain product for the SwiGLU kernel to follow. At 16 rows a
+    forward's outputs, written and read back, cost ~5 ms of the 1.5B's int8 products (their epilogue writing to a
+    buffer in L1 instead: 62.6 against 57.6 ms), and the gate/up halves are most of them; fused, its forwards took
+    0.95–0.98 of the time at k = 8–16 and 0.98–1.01 at k = 1–4, bitwise equal (BENCHMARKS.md, forty-first session)."""
+    if isinstance(kernel, type) and issubclass(kernel, Int8Linear) and kernel.fuses_swiglu and weight.shape[0] % 64 == 0:
+        return kernel.swiglu(weight, bias)
+    return kernel(weight, bias)
+
+
+def place_contiguously(linears: Sequence[Linear]) -> None:
+    """Moves the packed weights of specdec's CPU kernels among `linears` into one mapping on 2 MiB pages, one after
+    another in the given (forward) order, bitwise unchanged. Each on its own mapping leaves the tail short of a whole
+    huge page on small pages, and products under 2 MiB (the 0.5B's q/k/v and o) wholly, and those pay a TLB miss
+    every 4 KiB (random int8 weights, two threads: 6.56 / 7.97 MB products with 0.56 / 1.97 MB tails took 1.03 /
+    1.04× the time of 6 MiB ones). Real int8 forwards, paired against the products on their own mappings (either
+    loaded first): the 0.5B 0.97–1.00 of the time, the 1.5B 0.98–1.01; float32, whose tails are a quarter the share,
+    0.985–1.03 (BENCHMARKS.md, forty-first session). At most one product's weights are held twice while they move."""
+    packed = [linear for linear in linears if isinstance(linear, (PanelLinear, PackedInt8Linear))]
+    if not packed:
+        return
+    buffers = packed[0].kernel.buffers_on_huge_pages([linear.packed.numel() * linear.packed.element_size()
+                                                      for linear in packed])
+    for linear, buffer in zip(packed, buffers):
+        moved = buffer.view(linear.packed.dtype).view(linear.packed.shape).copy_(linear.packed)
+        linear.packed = moved  # the old mapping goes with its last reference
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:

@@ -29,7 +29,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.models.decoder import Decoder, LayerWeights, hidden_states
-from specdec.models.linear import DenseLinear, LinearKernel
+from specdec.models.linear import DenseLinear, LinearKernel, gate_up_product
 
 # From a grid of 0.2–0.6 over the 1.5B and the 0.5B, NLL on the held text and on another: every α from 0.2 to 0.5 kept
 # int8's penalty within +0.53% on both texts (none: up to +1.12%), and which of them is lowest moves with one-ulp
@@ -51,6 +51,8 @@ def smoothing_scales(activation_amax: torch.Tensor, weight: torch.Tensor, alpha:
 
 class _InputRange:
     """A dense product that records max |x| per input channel over every row it sees."""
+
+    applies_swiglu = False
 
     def __init__(self, linear: DenseLinear) -> None:
         self.linear = linear
@@ -118,7 +120,7 @@ def smoothed_layer(layer: LayerWeights, ranges: dict[str, torch.Tensor], index: 
         qkv=linear(layer.qkv.weight * s_qkv.to(layer.qkv.weight), layer.qkv.bias),
         o=linear(layer.o.weight, layer.o.bias),
         post_norm=layer.post_norm / s_gate_up.to(layer.post_norm),
-        gate_up=linear(gate_up, gate_up_bias),
+        gate_up=gate_up_product(linear, gate_up, gate_up_bias),
         down=linear(layer.down.weight * s_down.to(layer.down.weight), layer.down.bias),
     )
 

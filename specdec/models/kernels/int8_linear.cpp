@@ -36,6 +36,7 @@
 #include "huge_pages.h"
 #include "kernel_entry.h"
 #include "shared_work.h"
+#include "simd.h"
 
 namespace {
 
@@ -342,23 +343,49 @@ void prefetch_epilogue(const float* weight_scale, const float* bias, int64_t col
   }
 }
 
-// y rows m0 … m0 + rows − 1, channels col0 … col0 + cols − 1 from their int32 sums acc [rows][64] (of the u8
-// weights: less 128 · the row's sum)
+// What a call writes from each panel's sums: its channels (kLinear), or, for a gate/up product packed for SwiGLU (each
+// panel 32 gate channels, then the same 32 channels' up), silu(gate) · up (kSwiglu): bitwise the linear's outputs
+// through norm_swiglu.cpp's SwiGLU, but the gate and up halves are never written and read back.
+enum class Epilogue { kLinear, kSwiglu };
+
+// y rows m0 … m0 + rows − 1 from their int32 sums acc [rows][64] (of the u8 weights: less 128 · the row's sum) of
+// channels col0 … col0 + cols − 1: those channels of y [.., n] (kLinear), or its columns col0 / 2 … col0 / 2 + 31
+// (kSwiglu, a whole panel)
 void store_rows(const int32_t* acc, int rows, int64_t m0, int64_t col0, int64_t cols, const int32_t* row_sum,
-                const float* weight_scale, const float* row_scale, const float* bias, float* out, int64_t n) {
+                const float* weight_scale, const float* row_scale, const float* bias, float* out, int64_t n,
+                Epilogue epilogue) {
   for (int r = 0; r < rows; ++r) {
     const __m512 rs = _mm512_set1_ps(row_scale[m0 + r]);
     const __m512i shift = _mm512_set1_epi32(row_sum[m0 + r] * 128);
-    float* dst = out + (m0 + r) * n + col0;
-    for (int64_t c = 0; c < cols; c += kLanes) {
+    const auto channels = [&](int64_t c, __mmask16 mask) {
       const int64_t col = col0 + c;
-      const __mmask16 mask = cols - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (cols - c)) - 1);
       const __m512i sums = _mm512_sub_epi32(_mm512_load_si512(acc + r * kBlock + c), shift);
       __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sums), _mm512_maskz_loadu_ps(mask, weight_scale + col)), rs);
       if (bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, bias + col));
-      _mm512_mask_storeu_ps(dst + c, mask, v);
+      return v;
+    };
+    if (epilogue == Epilogue::kSwiglu) {
+      float* dst = out + (m0 + r) * n + col0 / 2;
+      for (int64_t c = 0; c < kBlock / 2; c += kLanes)
+        _mm512_storeu_ps(dst + c, specdec::simd::swiglu(channels(c, 0xFFFF), channels(c + kBlock / 2, 0xFFFF)));
+      continue;
+    }
+    float* dst = out + (m0 + r) * n + col0;
+    for (int64_t c = 0; c < cols; c += kLanes) {
+      const __mmask16 mask = cols - c >= kLanes ? 0xFFFF : static_cast<__mmask16>((1u << (cols - c)) - 1);
+      _mm512_mask_storeu_ps(dst + c, mask, channels(c, mask));
     }
   }
+}
+
+// the product's channels behind a call's n outputs, checked against the packed panels
+int64_t product_channels(const torch::Tensor& packed, int64_t n, Epilogue epilogue) {
+  const int64_t channels = epilogue == Epilogue::kSwiglu ? 2 * n : n;
+  TORCH_CHECK(channels > (packed.size(0) - 1) * kBlock && channels <= packed.size(0) * kBlock,
+              "int8 linear: ", n, " outputs from ", packed.size(0), " panels");
+  TORCH_CHECK(epilogue == Epilogue::kLinear || channels % kBlock == 0,
+              "int8 linear: SwiGLU takes whole panels of gate and up channels");
+  return channels;
 }
 
 // x, contiguous, once it is float32 [M, K] with K the packed weights' in-features
@@ -369,10 +396,11 @@ torch::Tensor checked_input(const torch::Tensor& x, const torch::Tensor& packed)
   return x.contiguous();
 }
 
-// x [M, K] float32 → y [M, N] float32
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
-                     c10::optional<torch::Tensor> bias, int64_t n) {
+// x [M, K] float32 → y [M, n] float32: the product's n channels, or for SwiGLU its 2n channels' n outputs
+torch::Tensor linear_with(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
+                          c10::optional<torch::Tensor> bias, int64_t n, Epilogue epilogue) {
   x = checked_input(x, packed);
+  const int64_t channels = product_channels(packed, n, epilogue);
   const int64_t m = x.size(0), k = x.size(1), steps = packed.size(1), kp = steps * 4, blocks = packed.size(0);
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -405,12 +433,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
       const int8_t* panel = p + nb * steps * kStepBytes;
       // a thread's own panels follow one another in memory: one stream
       const char* next_panel = own && nb + 1 < blocks ? reinterpret_cast<const char*>(panel + steps * kStepBytes) : nullptr;
-      const int64_t cols = std::min<int64_t>(kBlock, n - nb * kBlock);
+      const int64_t cols = std::min<int64_t>(kBlock, channels - nb * kBlock);
       prefetch_epilogue(ws, b, nb * kBlock, cols);
       if (row_tiles == 1) {  // one pass: memory is the bound, the stream left to the hardware prefetcher for few rows
         const Prefetch prefetch{reinterpret_cast<const char*>(panel + kPrefetchSteps * kStepBytes), nullptr, 0, 0};
         one_tile(xq.get(), row_stride, step_stride, steps, panel, prefetch, acc);
-        store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n);
+        store_rows(acc, static_cast<int>(m), 0, nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n,
+                   epilogue);
         continue;
       }
       for (int64_t s0 = 0; s0 < steps; s0 += kChunkSteps) {
@@ -434,7 +463,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, torch::Tensor weight
       }
       for (int64_t t = 0; t < row_tiles; ++t)
         store_rows(acc + t * kMaxAccumulators * kLanes, static_cast<int>(tile_first[t + 1] - tile_first[t]),
-                   tile_first[t], nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n);
+                   tile_first[t], nb * kBlock, cols, row_sum.data(), ws, row_scale.data(), b, out, n, epilogue);
     }
   });
   return y;
@@ -524,7 +553,8 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_panel(const int8_t* xq, in
 
 struct AmxCall {
   const int8_t* xq;  // [row blocks × 16][kp], rows past m zero
-  int64_t m, kp, steps, n;
+  int64_t m, kp, steps, n, channels;
+  Epilogue epilogue;
   const int8_t* packed;
   const int32_t* row_sum;
   const float *weight_scale, *row_scale, *bias;
@@ -541,23 +571,24 @@ __attribute__((target("amx-tile,amx-int8"))) void amx_thread(specdec::ShareCurso
   bool own;
   while (cursor.next(nb, own)) {
     const int8_t* panel = call.packed + nb * call.steps * kStepBytes;
-    const int64_t cols = std::min<int64_t>(kBlock, call.n - nb * kBlock);
+    const int64_t cols = std::min<int64_t>(kBlock, call.channels - nb * kBlock);
     prefetch_epilogue(call.weight_scale, call.bias, nb * kBlock, cols);
     for (int64_t m0 = 0; m0 < call.m; m0 += kAmxRows) {
       amx_panel(call.xq + m0 * call.kp, call.kp, call.steps, panel, acc);
       store_rows(acc, static_cast<int>(std::min(kAmxRows, call.m - m0)), m0, nb * kBlock, cols, call.row_sum,
-                 call.weight_scale, call.row_scale, call.bias, call.out, call.n);
+                 call.weight_scale, call.row_scale, call.bias, call.out, call.n, call.epilogue);
     }
   }
   _tile_release();
 }
 
-// x [M, K] float32 → y [M, N] float32, as `linear` computes it, by AMX where it runs and K is a multiple of 64
-torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
-                         c10::optional<torch::Tensor> bias, int64_t n) {
+// x [M, K] float32 → y [M, n] float32, as `linear_with` computes it, by AMX where it runs and K is a multiple of 64
+torch::Tensor linear_amx_with(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
+                              c10::optional<torch::Tensor> bias, int64_t n, Epilogue epilogue) {
   const int64_t steps = packed.size(1);
-  if (!kAmxUsable || steps % kAmxSteps != 0) return linear(x, packed, weight_scale, bias, n);
+  if (!kAmxUsable || steps % kAmxSteps != 0) return linear_with(x, packed, weight_scale, bias, n, epilogue);
   x = checked_input(x, packed);
+  const int64_t channels = product_channels(packed, n, epilogue);
   const int64_t m = x.size(0), k = x.size(1), kp = steps * 4;
   auto y = torch::empty({m, n}, x.options());
   if (m == 0) return y;
@@ -568,7 +599,7 @@ torch::Tensor linear_amx(torch::Tensor x, torch::Tensor packed, torch::Tensor we
   std::vector<float> row_scale(m);
   std::vector<int32_t> row_sum(m);
   quantize_rows(x.data_ptr<float>(), m, k, kp, kp, 4, xq.get(), row_scale.data(), row_sum.data());
-  const AmxCall call{xq.get(), m, kp, steps, n, packed.data_ptr<int8_t>(), row_sum.data(),
+  const AmxCall call{xq.get(), m, kp, steps, n, channels, epilogue, packed.data_ptr<int8_t>(), row_sum.data(),
                      weight_scale.data_ptr<float>(), row_scale.data(),
                      bias.has_value() ? bias->data_ptr<float>() : nullptr, y.data_ptr<float>()};
   specdec::parallel_shares(packed.size(0), [&](specdec::ShareCursor& cursor) { amx_thread(cursor, call); });
@@ -580,20 +611,42 @@ c10::optional<torch::Tensor> entry_bias(const std::vector<torch::Tensor>& operan
   TORCH_CHECK(operands.size() == 2 || operands.size() == 3, "int8 linear: operands {packed, scale[, bias]} expected");
   return operands.size() == 3 ? c10::optional<torch::Tensor>(operands[2]) : c10::nullopt;
 }
-torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
-  return linear(x, operands[0], operands[1], entry_bias(operands), n);
+// each function and entry with its epilogue bound
+template <Epilogue E>
+torch::Tensor linear_of(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
+                        c10::optional<torch::Tensor> bias, int64_t n) {
+  return linear_with(x, packed, weight_scale, bias, n, E);
 }
+template <Epilogue E>
+torch::Tensor linear_amx_of(torch::Tensor x, torch::Tensor packed, torch::Tensor weight_scale,
+                            c10::optional<torch::Tensor> bias, int64_t n) {
+  return linear_amx_with(x, packed, weight_scale, bias, n, E);
+}
+template <Epilogue E>
+torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
+  return linear_with(x, operands[0], operands[1], entry_bias(operands), n, E);
+}
+template <Epilogue E>
 torch::Tensor linear_amx_entry(const torch::Tensor& x, const std::vector<torch::Tensor>& operands, int64_t n) {
-  return linear_amx(x, operands[0], operands[1], entry_bias(operands), n);
+  return linear_amx_with(x, operands[0], operands[1], entry_bias(operands), n, E);
 }
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack", &pack);
-  module.def("linear", &linear);
-  module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry);
-  module.def("linear_amx", &linear_amx);
-  module.attr("linear_amx_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_amx_entry);
+  module.def("buffers_on_huge_pages", &specdec::buffers_on_huge_pages);
+  module.def("linear", &linear_of<Epilogue::kLinear>);
+  module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry<Epilogue::kLinear>);
+  module.def("linear_amx", &linear_amx_of<Epilogue::kLinear>);
+  module.attr("linear_amx_entry") =
+      specdec::entry::capsule<specdec::entry::Linear>(&linear_amx_entry<Epilogue::kLinear>);
+  // a gate/up product packed for SwiGLU (n: its outputs, half its channels)
+  module.def("linear_swiglu", &linear_of<Epilogue::kSwiglu>);
+  module.attr("linear_swiglu_entry") =
+      specdec::entry::capsule<specdec::entry::Linear>(&linear_entry<Epilogue::kSwiglu>);
+  module.def("linear_amx_swiglu", &linear_amx_of<Epilogue::kSwiglu>);
+  module.attr("linear_amx_swiglu_entry") =
+      specdec::entry::capsule<specdec::entry::Linear>(&linear_amx_entry<Epilogue::kSwiglu>);
   module.attr("amx_usable") = kAmxUsable;
 }

@@ -25,8 +25,9 @@ namespace py = pybind11;
 
 using Tensor = torch::Tensor;
 using LinearSpec = std::tuple<py::capsule, std::vector<Tensor>, int64_t>;  // entry, operands, out features
-// input norm (None: the layer reads its input unnormalized), qkv, o, post-attention norm, gate/up, down
-using LayerSpec = std::tuple<std::optional<Tensor>, LinearSpec, LinearSpec, Tensor, LinearSpec, LinearSpec>;
+// input norm (None: the layer reads its input unnormalized), qkv, o, post-attention norm, gate/up, down, and whether
+// the gate/up product applies SwiGLU itself
+using LayerSpec = std::tuple<std::optional<Tensor>, LinearSpec, LinearSpec, Tensor, LinearSpec, LinearSpec, bool>;
 // one sequence of the forward: its new rows, the tokens its slot holds before them, each row's tree path (none:
 // causal; as row_attention.cpp takes them) and its slot's keys and values, layer by layer
 using Sequence = std::tuple<int64_t, int64_t, std::vector<std::vector<int64_t>>, std::vector<std::pair<Tensor, Tensor>>>;
@@ -46,10 +47,11 @@ struct Layer {
   Linear qkv, o;
   Tensor post_norm;
   Linear gate_up, down;
+  bool gate_up_applies_swiglu;
 
   explicit Layer(const LayerSpec& spec)
       : input_norm(std::get<0>(spec)), qkv(std::get<1>(spec)), o(std::get<2>(spec)), post_norm(std::get<3>(spec)),
-        gate_up(std::get<4>(spec)), down(std::get<5>(spec)) {}
+        gate_up(std::get<4>(spec)), down(std::get<5>(spec)), gate_up_applies_swiglu(std::get<6>(spec)) {}
 };
 
 class LayerStack {
@@ -80,7 +82,8 @@ class LayerStack {
       std::tie(x, h) = residual_norm(x, mlp, layer.input_norm);
       const Tensor attention = attend(layer.qkv(h), cos, sin, sequences, index);
       std::tie(x, h) = add_rms_norm_(x, layer.o(attention), layer.post_norm, eps_);
-      mlp = layer.down(swiglu_(layer.gate_up(h)));
+      const Tensor gate_up = layer.gate_up(h);
+      mlp = layer.down(layer.gate_up_applies_swiglu ? gate_up : swiglu_(gate_up));
       if (std::find(hidden_layers.begin(), hidden_layers.end(), static_cast<int64_t>(index)) != hidden_layers.end()) {
         x = x + *mlp;
         mlp.reset();

@@ -165,4 +165,13 @@ inline Vec exp_nonpositive(Vec x) {
   return scale_by_power_of_two(p, n);
 }
 
+// silu(gate) · up, silu(g) = g · σ(g), σ from e = exp(−|g|) ≤ 1: 1 / (1 + e) for g ≥ 0, e / (1 + e) below (no
+// overflow either side). norm_swiglu.cpp's SwiGLU and int8_linear.cpp's fused epilogue both take it: the same bits.
+inline Vec swiglu(Vec gate, Vec up) {
+  const Vec one = broadcast(1.0f);
+  const Vec e = exp_nonpositive(sub(zero(), abs(gate)));
+  const Vec sigmoid = div(select(non_negative(gate), one, e), add(one, e));
+  return mul(mul(gate, sigmoid), up);
+}
+
 }  // namespace specdec::simd
