@@ -14,7 +14,6 @@ from specdec.models.linear import (
     DEFAULT_TARGET_QUANTIZATION,
     AmxInt8Linear,
     Avx2Int8Linear,
-    DenseLinear,
     Int8Linear,
     OneDnnInt8Linear,
     PanelLinear,
@@ -23,7 +22,6 @@ from specdec.models.linear import (
     gate_up_product,
     int8_linear,
     linear_kernel,
-    place_contiguously,
     resolve_quantization,
 )
 from specdec.models import kernels, smoothing
@@ -171,29 +169,6 @@ def test_specdec_int8_kernels_on_huge_pages_are_exact(kernel, rows):
     assert torch.equal(linear(x), exact_int8_linear(linear, weight, x))
 
 
-@pytest.mark.parametrize("kernel", [*SPECDEC_INT8_KERNELS, pytest.param(PanelLinear, marks=pytest.mark.skipif(
-    kernels.fp32_linear() is None, reason="specdec's float32 kernel does not build here"))])
-def test_products_placed_one_after_another_on_huge_pages_compute_as_before(kernel):
-    """`place_contiguously` moves each product's packed weights into one mapping in the given order (a 3 MiB product,
-    a 96 KiB one, a 3 MiB one: on their own the small one's are PyTorch's and the others' tails on small pages); the
-    first starts on a 2 MiB boundary, each next one at the 4 KiB boundary after the one before, and every product's
-    outputs, at 1 and 16 rows, are bitwise those before the move. Products of other kernels are left where they are."""
-    g = torch.Generator().manual_seed(11)
-    shapes = [(2048, 1536), (64, 1536), (2048, 1536)]
-    products = [kernel(torch.randn(n, k, generator=g) * 0.05, torch.randn(n, generator=g)) for n, k in shapes]
-    dense = DenseLinear(torch.randn(8, 1536, generator=g))
-    xs = [torch.randn(rows, 1536, generator=g) for rows in (1, 16)]
-    before = [[product(x) for x in xs] for product in products]
-    dense_weights = dense.weight.data_ptr()
-    place_contiguously([products[0], dense, *products[1:]])
-    starts = [product.packed.data_ptr() for product in products]
-    sizes = [product.packed.numel() * product.packed.element_size() for product in products]
-    assert starts[0] % 2**21 == 0
-    assert [b - a for a, b in zip(starts, starts[1:])] == [(size + 4095) // 4096 * 4096 for size in sizes[:-1]]
-    assert all(torch.equal(product(x), y) for product, ys in zip(products, before) for x, y in zip(xs, ys))
-    assert dense.weight.data_ptr() == dense_weights
-
-
 SWIGLU_INT8_KERNELS = [pytest.param(AmxInt8Linear, marks=needs_amx), pytest.param(VnniInt8Linear, marks=needs_vnni)]
 
 
@@ -246,13 +221,6 @@ def test_an_int8_decoders_gate_up_applies_swiglu_where_its_kernel_offers_it(tiny
     assert not any(layer.gate_up.applies_swiglu for layer in plain.layers)
     ids = torch.randint(0, 256, (12,), generator=torch.Generator().manual_seed(1)).tolist()
     assert torch.equal(logits(fused, ids), logits(plain, ids))
-
-
-def test_a_loaded_decoders_products_lie_in_forward_order(tiny_qwen):
-    decoder = load_decoder(tiny_qwen, quantization="int8")
-    products = [p for layer in decoder.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-    starts = [product.packed.data_ptr() for product in [*products, decoder.lm_head]]
-    assert starts == sorted(starts) and starts[0] % 2**21 == 0
 
 
 @pytest.mark.parametrize("kernel", SPECDEC_INT8_KERNELS)

@@ -15,7 +15,7 @@ oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from types import ModuleType
 
 import torch
@@ -278,24 +278,6 @@ def gate_up_product(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tens
     if isinstance(kernel, type) and issubclass(kernel, Int8Linear) and kernel.fuses_swiglu and weight.shape[0] % 64 == 0:
         return kernel.swiglu(weight, bias)
     return kernel(weight, bias)
-
-
-def place_contiguously(linears: Sequence[Linear]) -> None:
-    """Moves the packed weights of specdec's CPU kernels among `linears` into one mapping on 2 MiB pages, one after
-    another in the given (forward) order, bitwise unchanged. Each on its own mapping leaves the tail short of a whole
-    huge page on small pages, and products under 2 MiB (the 0.5B's q/k/v and o) wholly, and those pay a TLB miss
-    every 4 KiB (random int8 weights, two threads: 6.56 / 7.97 MB products with 0.56 / 1.97 MB tails took 1.03 /
-    1.04× the time of 6 MiB ones). Real int8 forwards, paired against the products on their own mappings (either
-    loaded first): the 0.5B 0.97–1.00 of the time, the 1.5B 0.98–1.01; float32, whose tails are a quarter the share,
-    0.985–1.03 (BENCHMARKS.md, forty-first session). At most one product's weights are held twice while they move."""
-    packed = [linear for linear in linears if isinstance(linear, (PanelLinear, PackedInt8Linear))]
-    if not packed:
-        return
-    buffers = packed[0].kernel.buffers_on_huge_pages([linear.packed.numel() * linear.packed.element_size()
-                                                      for linear in packed])
-    for linear, buffer in zip(packed, buffers):
-        moved = buffer.view(linear.packed.dtype).view(linear.packed.shape).copy_(linear.packed)
-        linear.packed = moved  # the old mapping goes with its last reference
 
 
 def can_prepack(dtype: torch.dtype, device: torch.device | str) -> bool:

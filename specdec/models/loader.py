@@ -14,7 +14,7 @@ from safetensors import safe_open
 
 from specdec.models import zoo
 from specdec.models.decoder import Decoder, DecoderConfig, LayerWeights, rope_inverse_frequencies
-from specdec.models.linear import DenseLinear, LinearKernel, gate_up_product, linear_kernel, place_contiguously
+from specdec.models.linear import DenseLinear, LinearKernel, gate_up_product, linear_kernel
 from specdec.models.smoothing import cached_activation_ranges, calibration_ids, smoothed_layer
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -140,17 +140,14 @@ def _native_decoder(model_dir: Path, hf_config: Any, dtype: torch.dtype, device:
             down=DenseLinear(take(p + "mlp.down_proj.weight"), take(p + "mlp.down_proj.bias", config.mlp_bias)),
         )))
     embed = take("model.embed_tokens.weight")
-    lm_head_weight = take("lm_head.weight", required=not config.tie_word_embeddings)
-    lm_head = linear(embed if lm_head_weight is None else lm_head_weight, None)
-    place_contiguously([product for layer in layers for product in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-                       + [lm_head])
+    lm_head = take("lm_head.weight", required=not config.tie_word_embeddings)
     inv_freq, scaling = rope_inverse_frequencies(hf_config)
     return Decoder(
         config=config,
         embed=embed,
         layers=layers,
         final_norm=take("model.norm.weight"),
-        lm_head=lm_head,
+        lm_head=linear(embed if lm_head is None else lm_head, None),
         inv_freq=inv_freq.to(device),
         attention_scaling=scaling,
         name=name,

@@ -343,7 +343,6 @@ torch::Tensor linear_entry(const torch::Tensor& x, const std::vector<torch::Tens
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack", &pack);
-  module.def("buffers_on_huge_pages", &specdec::buffers_on_huge_pages);
   module.def("linear", &linear);
   module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry);
 }

@@ -9,21 +9,22 @@
 #pragma once
 #include <torch/extension.h>
 #include <sys/mman.h>
-#include <algorithm>
 #include <cstdint>
-#include <memory>
 #include <new>
-#include <vector>
 
 namespace specdec {
 
 constexpr size_t kHugePage = size_t{2} << 20;
 
-// A fresh anonymous mapping of at least `bytes` (whole 4 KiB pages), aligned to 2 MiB and advised for huge pages before
-// its first touch (memory the allocator hands back was touched on small pages already: in a model's packing, a third
-// of it); a tail short of a whole huge page, and any range the kernel refuses, stays on small pages. It reads as
-// zeros and is unmapped when the last owner lets go.
-inline std::shared_ptr<char> map_huge_pages(size_t bytes) {
+// zeros of `sizes` and `dtype`: from 2 MiB up, a fresh mapping aligned to 2 MiB and advised for huge pages before
+// its first touch (memory the allocator hands back was touched on small pages already: in a model's packing, a
+// third of it); a tail short of a whole huge page, and any range the kernel refuses, stays on small pages. Smaller
+// tensors come from PyTorch's allocator.
+inline torch::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
+  const auto options = torch::TensorOptions().dtype(dtype);
+  size_t bytes = c10::elementSize(dtype);
+  for (const int64_t size : sizes) bytes *= static_cast<size_t>(size);
+  if (bytes < kHugePage) return torch::zeros(sizes, options);
   const size_t length = (bytes + 4095) / 4096 * 4096;
   void* mapped = mmap(nullptr, length + kHugePage, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (mapped == MAP_FAILED) throw std::bad_alloc();
@@ -33,36 +34,8 @@ inline std::shared_ptr<char> map_huge_pages(size_t bytes) {
   if (offset) munmap(first, offset);
   munmap(aligned + length, kHugePage - offset);
   madvise(aligned, length, MADV_HUGEPAGE);  // advice only: refused, the pages are small ones
-  return std::shared_ptr<char>(aligned, [length](char* p) { munmap(p, length); });
-}
-
-// zeros of `sizes` and `dtype`: from 2 MiB up, on their own mapping (map_huge_pages); smaller tensors come from
-// PyTorch's allocator.
-inline torch::Tensor zeros_on_huge_pages(at::IntArrayRef sizes, at::ScalarType dtype) {
-  const auto options = torch::TensorOptions().dtype(dtype);
-  size_t bytes = c10::elementSize(dtype);
-  for (const int64_t size : sizes) bytes *= static_cast<size_t>(size);
-  if (bytes < kHugePage) return torch::zeros(sizes, options);
-  const std::shared_ptr<char> mapping = map_huge_pages(bytes);
-  return torch::from_blob(mapping.get(), sizes, [mapping](void*) {}, options);
-}
-
-// Byte buffers of the given sizes, one after another (each at a 4 KiB boundary) in one mapping (map_huge_pages), that
-// lives while any of them does: a model's packed weights moved there in forward order leave only the last one's tail
-// on small pages, where each on its own mapping leaves its own, and products under 2 MiB stay on small pages.
-inline std::vector<torch::Tensor> buffers_on_huge_pages(const std::vector<int64_t>& sizes) {
-  std::vector<size_t> offsets;
-  size_t total = 0;
-  for (const int64_t size : sizes) {
-    TORCH_CHECK(size >= 0, "buffers_on_huge_pages: negative size");
-    offsets.push_back(total);
-    total += (static_cast<size_t>(size) + 4095) / 4096 * 4096;
-  }
-  const std::shared_ptr<char> mapping = map_huge_pages(std::max<size_t>(total, 1));
-  std::vector<torch::Tensor> buffers;
-  for (size_t i = 0; i < sizes.size(); ++i)
-    buffers.push_back(torch::from_blob(mapping.get() + offsets[i], {sizes[i]}, [mapping](void*) {}, torch::kUInt8));
-  return buffers;
+  // a fresh anonymous mapping reads as zeros
+  return torch::from_blob(aligned, sizes, [length](void* p) { munmap(p, length); }, options);
 }
 
 }  // namespace specdec

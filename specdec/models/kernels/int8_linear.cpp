@@ -635,7 +635,6 @@ torch::Tensor linear_amx_entry(const torch::Tensor& x, const std::vector<torch::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, module) {
   module.def("pack", &pack);
-  module.def("buffers_on_huge_pages", &specdec::buffers_on_huge_pages);
   module.def("linear", &linear_of<Epilogue::kLinear>);
   module.attr("linear_entry") = specdec::entry::capsule<specdec::entry::Linear>(&linear_entry<Epilogue::kLinear>);
   module.def("linear_amx", &linear_amx_of<Epilogue::kLinear>);
