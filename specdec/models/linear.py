@@ -148,15 +148,20 @@ class Int8Linear:
         [.., I] from its kernel's epilogue, bitwise the product's outputs through the SwiGLU kernel (norm_swiglu.cpp):
         the rows packed so that each 64-channel panel holds 32 gate channels, then the same channels' up. Where the
         kernel offers it (`fuses_swiglu`) and I is a multiple of 32."""
-        inner = weight.shape[0] // 2
-        if not cls.fuses_swiglu or weight.shape[0] != 2 * inner or inner % 32:
+        if not cls.can_apply_swiglu(weight.shape[0]):
             raise ValueError(f"{cls.__name__} cannot apply SwiGLU to a gate/up product of {weight.shape[0]} rows")
+        inner = weight.shape[0] // 2
         # panel p: gate rows 32p … 32p + 31, then up rows I + 32p …
         order = torch.arange(2 * inner).view(2, inner // 32, 32).transpose(0, 1).reshape(-1)
         linear = cls.__new__(cls)
         linear.applies_swiglu = True
         Int8Linear.__init__(linear, weight[order], None if bias is None else bias[order])
         return linear
+
+    @classmethod
+    def can_apply_swiglu(cls, rows: int) -> bool:
+        """Whether `swiglu` builds a gate/up product of `rows` [gate; up] rows: whole panels of 32 + 32 channels."""
+        return cls.fuses_swiglu and rows % 64 == 0
 
     @property
     def output_features(self) -> int:
@@ -275,7 +280,7 @@ def gate_up_product(kernel: LinearKernel, weight: torch.Tensor, bias: torch.Tens
     forward's outputs, written and read back, cost ~5 ms of the 1.5B's int8 products (their epilogue writing to a
     buffer in L1 instead: 62.6 against 57.6 ms), and the gate/up halves are most of them; fused, its forwards took
     0.95–0.98 of the time at k = 8–16 and 0.98–1.01 at k = 1–4, bitwise equal (BENCHMARKS.md, forty-first session)."""
-    if isinstance(kernel, type) and issubclass(kernel, Int8Linear) and kernel.fuses_swiglu and weight.shape[0] % 64 == 0:
+    if isinstance(kernel, type) and issubclass(kernel, Int8Linear) and kernel.can_apply_swiglu(weight.shape[0]):
         return kernel.swiglu(weight, bias)
     return kernel(weight, bias)
 
