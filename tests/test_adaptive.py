@@ -127,6 +127,17 @@ def test_batch_size_prices_verification():
     assert costs.verify_ms(3, 128, batch_size=16) == pytest.approx(5.0 * 48 / 16)
 
 
+def test_catch_up_is_priced_after_what_the_draft_holds():
+    """A draft forward's cost curve is indexed by the context cached before it: catching up on a 500-token prompt
+    costs a forward over 500 tokens after none, not after 500 (its later forwards run after the whole sequence)."""
+    rows = {c: {k: 20.0 + k * (1 + c / 1024) for k in (1, 2, 4, 8, 16, 32, 64, 256)} for c in (128, 1024)}
+    draft = CostCurve(rows, {c: {k: (v, v) for k, v in row.items()} for c, row in rows.items()})
+    costs = StepCosts(INT8_TARGET, draft)
+    assert costs.draft_ms(1, 500, 500) == pytest.approx(draft.forward_ms(500, 0))
+    assert costs.draft_ms(1, 500, 500) < draft.forward_ms(500, 500)
+    assert costs.draft_ms(3, 1000, 100) == pytest.approx(draft.forward_ms(100, 900) + 2 * draft.forward_ms(1, 1000))
+
+
 def test_measured_step_times_correct_the_cost_curves():
     """Speculative steps that take 1.6× what the curves say (overheads they miss) turn a modeled ~1.2× gain
     into a loss: the controller learns the ratio from the engine's step times and decodes plain."""
