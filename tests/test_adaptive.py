@@ -15,10 +15,15 @@ from specdec.engine.sequence import Sequence
 from specdec.models.cost_curve import CostCurve
 
 
-def curve(ms_of_k) -> CostCurve:
+def curve_by_context(ms_of_k_and_context) -> CostCurve:
+    """A measured-looking curve at contexts 128 and 1024, ms(k, context) with no spread."""
     ks = (1, 2, 3, 4, 6, 8, 12, 16, 32)
-    row = {k: float(ms_of_k(k)) for k in ks}
-    return CostCurve({128: row, 1024: dict(row)}, {128: {k: (v, v) for k, v in row.items()}, 1024: {k: (v, v) for k, v in row.items()}})
+    rows = {c: {k: float(ms_of_k_and_context(k, c)) for k in ks} for c in (128, 1024)}
+    return CostCurve(rows, {c: {k: (v, v) for k, v in row.items()} for c, row in rows.items()})
+
+
+def curve(ms_of_k) -> CostCurve:
+    return curve_by_context(lambda k, context: ms_of_k(k))
 
 
 FLAT = curve(lambda k: 10.0)  # verification free up to 32 tokens: the GPU picture
@@ -130,8 +135,7 @@ def test_batch_size_prices_verification():
 def test_catch_up_is_priced_after_what_the_draft_holds():
     """A draft forward's cost curve is indexed by the context cached before it: catching up on a 500-token prompt
     costs a forward over 500 tokens after none, not after 500 (its later forwards run after the whole sequence)."""
-    rows = {c: {k: 20.0 + k * (1 + c / 1024) for k in (1, 2, 4, 8, 16, 32, 64, 256)} for c in (128, 1024)}
-    draft = CostCurve(rows, {c: {k: (v, v) for k, v in row.items()} for c, row in rows.items()})
+    draft = curve_by_context(lambda k, context: 20.0 + k * (1 + context / 1024))
     costs = StepCosts(INT8_TARGET, draft)
     assert costs.draft_ms(1, 500, 500) == pytest.approx(draft.forward_ms(500, 0))
     assert costs.draft_ms(1, 500, 500) < draft.forward_ms(500, 500)
