@@ -138,9 +138,9 @@ void micro_tile(const float* xt, int64_t x_stride, int64_t steps, const float* p
 
 using TileFn = void (*)(const float*, int64_t, int64_t, const float*, int64_t, bool, float*, int64_t, int64_t);
 
-template <int NR, int64_t kAhead, _mm_hint kHint, int... MR>
+template <int NR, int64_t kAhead, _mm_hint kHint, int64_t kInputsAhead = 0, int... MR>
 constexpr std::array<TileFn, sizeof...(MR)> tiles_of(std::integer_sequence<int, MR...>) {
-  return {&micro_tile<MR + 1, NR, kAhead, kHint>...};
+  return {&micro_tile<MR + 1, NR, kAhead, kHint, kInputsAhead>...};
 }
 // How a table's tiles prefetch: not at all; kPrefetchSteps ahead on each stream (a prefill chunk's first tile); or
 // kPrefetchSteps ahead in all, spread over the tile's streams (calls of one tile: one stream that far, four 32 each),
@@ -205,7 +205,7 @@ const Tiles kSixRowInputsAheadTiles =
 // and more do not fit four panels' accumulators.
 // On an Intel host (AVX-512, AMX; ~34 GB/s) 1–5 rows read four panels (1 row left to the hardware prefetcher, 2–5
 // prefetched into L1 spread over them), 6–12 two (prefetched into L1 spread over them), 13–24 one stream prefetched
-// into L2. Over the 1.5B's 113 products (random weights, two threads, paired shuffled rounds, bitwise equal), against
+// into L2, their inputs into L1 (kOneStreamInputsAhead). Over the 1.5B's 113 products (random weights, two threads, paired shuffled rounds, bitwise equal), against
 // the Zen 5 choice: 0.84 of the time at 5 rows, 0.88 at 6, 0.91 at 8, 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over
 // one stream into L2: 0.89; 6 rows as on Zen 4 (four panels, the inputs fetched ahead): 0.96; the Zen 4 choice whole:
 // 1.10–1.14× at 2–4 rows. Then two panels against that one stream (fortieth session; 8 rounds): 0.95 at 6 rows, 0.92
@@ -219,12 +219,25 @@ struct OneTileCalls {
   const Tiles& tiles;
   const Tiles& few_row_tiles;
 };
-// kSpreadTiles, but one panel's tiles (one stream) prefetching into L2
-Tiles one_stream_into_l2(Tiles tiles) {
-  tiles[0] = kSpreadIntoL2Tiles[0];
+// On an Intel host the one-stream tiles (13–24 rows) also fetch their inputs 16 k-steps ahead into L1. A k-step's
+// inputs are a line of their own (64 bytes at 16 rows), read again for every panel: 96 KiB at K = 1536, more than
+// L1 holds beside the weight stream, so each step's broadcasts waited on an L1 miss. Over a 448 MiB product (two
+// threads, paired shuffled rounds, bitwise equal; a copy of the installed source as control: 0.99–1.03): 0.92–0.94
+// of the time at 16 rows (K = 1536 and 8960), 0.96–0.98 at 13, 0.95–0.98 at 20; 4 and 8 steps ahead: 0.94–0.95 at
+// 16. Real 1.5B forwards (one model a process, four processes each, alternating; logits bitwise equal): 0.92–0.94 of
+// the time at k = 13 and 16, contexts 128 and 1024. The two-panel tiles (6–12 rows, an input line per two panels)
+// fetched so: 0.98–1.04, within the control's spread; the weights fetched 8–32 steps ahead into L1 as well as 192–256
+// into L2: 0.96–0.98 at 16 rows, against a control's 0.93; K cut into chunks of 128–512 steps that a group of 4–16
+// panels share, so that the inputs stay in L1: 1.00–1.06×.
+constexpr int64_t kOneStreamInputsAhead = 16;
+// kSpreadTiles, but one panel's tiles (one stream) prefetching into L2 and fetching their inputs ahead
+Tiles intel_tiles(Tiles tiles) {
+  const auto one_stream = tiles_of<1, kPrefetchSteps, _MM_HINT_T1, kOneStreamInputsAhead>(
+      std::make_integer_sequence<int, kMaxAccumulators>{});
+  std::copy(one_stream.begin(), one_stream.end(), tiles[0].begin());
   return tiles;
 }
-const Tiles kIntelTiles = one_stream_into_l2(kSpreadTiles);
+const Tiles kIntelTiles = intel_tiles(kSpreadTiles);
 const OneTileCalls kOneTileCalls = [] {
   if (simd::kWide && specdec::host() == specdec::Host::kZen4)
     return OneTileCalls{7, 7, 0, kSpreadIntoL2Tiles, kSixRowInputsAheadTiles};
