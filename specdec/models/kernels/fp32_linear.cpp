@@ -205,14 +205,15 @@ const Tiles kSixRowInputsAheadTiles =
 // and more do not fit four panels' accumulators.
 // On an Intel host (AVX-512, AMX; ~34 GB/s) 1–5 rows read four panels (1 row left to the hardware prefetcher, 2–5
 // prefetched into L1 spread over them), 6–12 two (prefetched into L1 spread over them), 13–24 one stream prefetched
-// into L2, their inputs into L1 (kOneStreamInputsAhead). Over the 1.5B's 113 products (random weights, two threads, paired shuffled rounds, bitwise equal), against
-// the Zen 5 choice: 0.84 of the time at 5 rows, 0.88 at 6, 0.91 at 8, 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over
-// one stream into L2: 0.89; 6 rows as on Zen 4 (four panels, the inputs fetched ahead): 0.96; the Zen 4 choice whole:
-// 1.10–1.14× at 2–4 rows. Then two panels against that one stream (fortieth session; 8 rounds): 0.95 at 6 rows, 0.92
-// at 7, 0.90 at 8 (0.90–0.94 in three runs), 0.84 at 12 (0.82–0.85 in three). A 12-row tile's 24 accumulators take a
-// broadcast input for two multiply-adds, where one stream's 16-row tile loads an input for each (load ports, not the
-// multiply-adds, bound it). 16 rows over two panels, as two tiles of 8 sharing chunks of 256–512 k-steps: 1.04–1.09×
-// (the second tile prefetching the next chunk into L2: 1.00); tiles of 6 rows over four panels from 8 rows: 1.15–1.28×.
+// into L2, their inputs into L1 (kOneStreamInputsAhead). Over the 1.5B's 113 products (random weights, two threads,
+// paired shuffled rounds, bitwise equal), against the Zen 5 choice: 0.84 of the time at 5 rows, 0.88 at 6, 0.91 at 8,
+// 0.95 at 12, 0.98 at 16, 1.00 at 1–4; 5 rows over one stream into L2: 0.89; 6 rows as on Zen 4 (four panels, the
+// inputs fetched ahead): 0.96; the Zen 4 choice whole: 1.10–1.14× at 2–4 rows. Then two panels against that one stream
+// (fortieth session; 8 rounds): 0.95 at 6 rows, 0.92 at 7, 0.90 at 8 (0.90–0.94 in three runs), 0.84 at 12 (0.82–0.85
+// in three). A 12-row tile's 24 accumulators take a broadcast input for two multiply-adds, where one stream's 16-row
+// tile loads an input for each (load ports, not the multiply-adds, bound it). 16 rows over two panels, as two tiles of
+// 8 sharing chunks of 256–512 k-steps: 1.04–1.09× (the second tile prefetching the next chunk into L2: 1.00); tiles of
+// 6 rows over four panels from 8 rows: 1.15–1.28×.
 struct OneTileCalls {
   int one_stream_rows, prefetch_min_rows;
   int two_panel_rows;  // calls of one_stream_rows … two_panel_rows rows read two panels instead (none: 0)
@@ -222,8 +223,8 @@ struct OneTileCalls {
 // On an Intel host the one-stream tiles (13–24 rows) also fetch their inputs 16 k-steps ahead into L1. A k-step's
 // inputs are a line of their own (64 bytes at 16 rows), read again for every panel: 96 KiB at K = 1536, more than
 // L1 holds beside the weight stream, so each step's broadcasts waited on an L1 miss. Over a 448 MiB product (two
-// threads, paired shuffled rounds, bitwise equal; a copy of the installed source as control: 0.99–1.03): 0.92–0.94
-// of the time at 16 rows (K = 1536 and 8960), 0.96–0.98 at 13, 0.95–0.98 at 20; 4 and 8 steps ahead: 0.94–0.95 at
+// threads, paired shuffled rounds, bitwise equal; a copy of the installed source as control: 0.97–1.03): 0.92–0.94
+// of the time at 16 rows (K = 1536 and 8960), 0.96–0.99 at 13, 0.95–0.98 at 20; 4 and 8 steps ahead: 0.94–0.95 at
 // 16. Real 1.5B forwards (one model a process, four processes each, alternating; logits bitwise equal): 0.92–0.94 of
 // the time at k = 13 and 16, contexts 128 and 1024. The two-panel tiles (6–12 rows, an input line per two panels)
 // fetched so: 0.98–1.04, within the control's spread; the weights fetched 8–32 steps ahead into L1 as well as 192–256
