@@ -229,7 +229,8 @@ struct OneTileCalls {
 // the time at k = 13 and 16, contexts 128 and 1024. The two-panel tiles (6–12 rows, an input line per two panels)
 // fetched so: 0.98–1.04, within the control's spread; the weights fetched 8–32 steps ahead into L1 as well as 192–256
 // into L2: 0.96–0.98 at 16 rows, against a control's 0.93; K cut into chunks of 128–512 steps that a group of 4–16
-// panels share, so that the inputs stay in L1: 1.00–1.06×.
+// panels share, so that the inputs stay in L1: 1.00–1.06×. (A call of 1–12 rows whose last group is one panel runs
+// it on these tiles too: one panel a call, not measured apart.)
 constexpr int64_t kOneStreamInputsAhead = 16;
 // kSpreadTiles, but one panel's tiles (one stream) prefetching into L2 and fetching their inputs ahead
 Tiles intel_tiles(Tiles tiles) {
