@@ -178,6 +178,33 @@ def test_rope_rows_come_from_a_table_bitwise_as_computed(tiny_qwen):
     assert len(decoder.rope(torch.tensor([9000]))[0]) == 1
 
 
+def test_one_call_attention_mask_is_made_once_bitwise_as_pytorchs_bool_mask(tiny_qwen, monkeypatch):
+    """Without the row kernel (CUDA, other dtypes), prefill chunks and masks that are not trees of few rows attend in
+    one call per layer, with an additive mask made once a forward: every output and the cache bitwise what PyTorch's
+    attention gives for the bool mask."""
+    decoder = load_decoder(tiny_qwen)
+    decoder.row_attention = decoder.layer_stack = None
+    n = decoder.row_invariant_tokens + 6
+    # not causal: each new token sees the cache, the even-numbered new tokens before it and itself
+    sparse = torch.ones(n, 2 * n, dtype=torch.bool).tril(diagonal=n)
+    sparse[:, n:] &= (torch.arange(n) % 2 == 0)[None, :] | torch.eye(n, dtype=torch.bool)
+
+    def outputs() -> list[torch.Tensor]:
+        cache = decoder.new_kv_cache(num_slots=1, max_len=4 * n)
+        slot = cache.allocate()
+        first = run(decoder, cache, [SequenceInput(slot, list(range(n)), num_logits=n)])  # after nothing cached
+        second = run(decoder, cache, [SequenceInput(slot, list(range(50, 50 + n)), num_logits=n, mask=sparse)])
+        third = run(decoder, cache, [SequenceInput(slot, list(range(90, 90 + n)), num_logits=n)])  # after 2n
+        kept = [c[:, slot, :, : cache.length(slot)] for c in (cache.keys, cache.values)]
+        return [first.logits, second.logits, third.logits, *kept]
+
+    made_once = outputs()
+    group = decoder.config.num_heads // decoder.config.num_kv_heads
+    monkeypatch.setattr(decoder, "_additive_mask", lambda seen: seen.repeat(group, 1))
+    for got, expected in zip(made_once, outputs(), strict=True):
+        assert torch.equal(got, expected)
+
+
 class _CountingStack:
     """A decoder's layer loop that counts its forwards."""
 
@@ -235,7 +262,7 @@ LINEAR_KERNELS = [
 def test_layer_loop_is_bitwise_the_python_loop(tiny_qwen, kernel):
     """Forwards whose rows all take the row attention kernel run their layers in one C++ call (layer_loop.cpp) over
     each kernel's C++ entry; its logits, hidden states, intermediate layers and KV cache are bitwise the Python loop's,
-    for batched steps and trees, and a long chunk still takes the Python loop."""
+    for batched steps, trees and a chunk longer than `row_invariant_tokens` (causal: its rows take the kernel too)."""
     source = load_decoder(tiny_qwen, prepack=False)
     native, python = (_with_linears(source, kernel()) for _ in range(2))
     if native.layer_stack is None:
@@ -243,7 +270,7 @@ def test_layer_loop_is_bitwise_the_python_loop(tiny_qwen, kernel):
     python.layer_stack = None
     native.layer_stack = counting = _CountingStack(native.layer_stack)
     expected, got = _steps(python), _steps(native)
-    assert counting.calls == 4  # every forward but the 70-token chunk
+    assert counting.calls == 5  # every forward
     assert len(got) == len(expected)
     for index, (a, b) in enumerate(zip(got, expected)):
         assert torch.equal(a, b), index

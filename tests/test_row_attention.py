@@ -83,6 +83,15 @@ def test_a_deep_tree_path_across_blocks_of_values(isa, cached):
     _check_rows(isa, (12, 2, 128), cached, n, chain + branches, seed=cached)
 
 
+@ISAS
+@pytest.mark.parametrize(("cached", "n"), [(0, 33), (0, 100), (37, 70), (300, 65)])
+def test_a_prefill_chunk_in_many_items_is_each_rows_own_step(isa, cached, n):
+    """A chunk of more rows than an item takes: its items share the transposition of the key blocks all their rows
+    see, the chunk's own tokens before the item included, and every row is still bitwise its one-token step."""
+    _check_rows(isa, (12, 2, 128), cached, n, [], seed=n)
+    _check_rows(isa, (6, 3, 136), cached, n, [], seed=n + 1)  # masked dimensions: no transposed blocks
+
+
 def _check_rows(isa: kernels.Isa, shape, cached: int, n: int, paths: list[list[int]], seed: int) -> None:
     heads, kv_heads, dim = shape
     qkv, cos, sin, keys, values = _problem(heads, kv_heads, dim, cached, n, seed)
