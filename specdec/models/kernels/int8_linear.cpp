@@ -522,8 +522,8 @@ TileConfig amx_config(int rows) {
 // forwards (paired shuffled rounds, both layer stacks in one process, logits bitwise equal; fortieth session) took
 // 0.94–0.96 of the time at k = 1, 0.97–0.98 at 2–4, 0.95–0.98 at 8 and 0.98–1.00 at 16 (contexts 128 and 1024, two
 // runs; the same source built twice: 0.99–1.015). Prefetched into L2 rather than L1 as well: 0.96–0.99.
-// after each block's tile multiplies are issued, `between()` (the previous sums' outputs, a row at a time: see
-// amx_thread)
+// After each block's tile multiplies are issued it calls `between()`: the previous block's outputs, a row at a time
+// (amx_thread).
 template <class Between>
 __attribute__((target("amx-tile,amx-int8"))) void amx_panel(const int8_t* xq, int64_t row_stride, int64_t steps,
                                                             const int8_t* panel, int32_t* acc, Between&& between) {
