@@ -15,7 +15,8 @@ from hypothesis import strategies as st
 from conftest import prefill_chain_tree_logits
 from specdec.models import kernels
 from specdec.models.linear import PanelLinear
-from specdec.models.loader import load_decoder
+from specdec.models.loader import load_decoder, load_tokenizer
+from specdec.models.smoothing import activation_ranges, calibration_ids
 
 needs_both = pytest.mark.skipif(
     kernels.runnable_isas() != kernels.FLOAT32_ISAS
@@ -89,14 +90,30 @@ def test_decoder_forwards_are_bitwise_alike(tiny_qwen):
     decoder = load_decoder(tiny_qwen)
     linears = [getattr(layer, name) for layer in decoder.layers for name in ("qkv", "o", "gate_up", "down")]
     assert all(isinstance(linear, PanelLinear) for linear in linears + [decoder.lm_head])
-    logits = []
-    for isa in kernels.FLOAT32_ISAS:
-        for linear in linears + [decoder.lm_head]:
-            linear.kernel = kernels.fp32_linear(isa)
-        decoder.row_attention, decoder.norm_swiglu = kernels.row_attention(isa), kernels.norm_swiglu(isa)
-        logits.append(prefill_chain_tree_logits(decoder))
+    logits = [prefill_chain_tree_logits(with_kernels_for(decoder, isa)) for isa in kernels.FLOAT32_ISAS]
     for wide, narrow in zip(*logits):
         assert torch.equal(wide, narrow)
+
+
+def with_kernels_for(decoder, isa: kernels.Isa):
+    """`decoder` (packed float32) with every float32 kernel, and the C++ layer loop over them, built for `isa`."""
+    for linear in [getattr(layer, name) for layer in decoder.layers for name in ("qkv", "o", "gate_up", "down")]:
+        linear.kernel = kernels.fp32_linear(isa)
+    decoder.lm_head.kernel = kernels.fp32_linear(isa)
+    decoder.row_attention, decoder.norm_swiglu = kernels.row_attention(isa), kernels.norm_swiglu(isa)
+    decoder.layer_stack = decoder._layer_stack()  # its entries are the kernels' it was built with
+    return decoder
+
+
+@needs_both
+def test_int8_calibration_is_bitwise_alike(tiny_qwen):
+    """The activation ranges that int8 smooths by (models/smoothing.py), measured on the float32 kernels' AVX-512
+    build and on their AVX2 build: the same bits, so the int8 model is the same on either host."""
+    decoder = load_decoder(tiny_qwen)
+    ids = calibration_ids(load_tokenizer(tiny_qwen), decoder.config.vocab_size)
+    wide, narrow = (activation_ranges(with_kernels_for(decoder, isa), ids) for isa in kernels.FLOAT32_ISAS)
+    assert wide.keys() == narrow.keys() and all(torch.equal(wide[key], narrow[key]) for key in wide)
+    assert all(ranges.min() > 0 for ranges in wide.values())
 
 
 def test_the_environment_caps_the_instruction_sets(monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specdec.bench.tiny import build_tiny_model
-from specdec.models import smoothing
+from specdec.models import loader, smoothing
 from specdec.models.decoder import Decoder
 from specdec.models.linear import DenseLinear, LinearKernel, int8_linear
 from specdec.models.loader import load_decoder, load_tokenizer
@@ -85,6 +85,19 @@ def test_activation_ranges_are_each_products_largest_input(tiny_qwen):
     assert set(ranges) == {f"layers.{i}.{p}" for i in range(2) for p in ("qkv", "gate_up", "down")}
 
 
+def test_activation_ranges_see_the_inputs_of_products_the_layer_loop_would_call(tiny_qwen):
+    """A packed float32 model runs its layers in one C++ call over its products' kernels; the ranges are measured
+    through the Python loop, which calls the recorders, and the C++ one is put back."""
+    packed = load_decoder(tiny_qwen)
+    if packed.layer_stack is None:
+        pytest.skip("the C++ layer loop does not run here")
+    layer_stack, ids = packed.layer_stack, list(range(20)) * 40
+    ranges = activation_ranges(packed, ids)
+    assert packed.layer_stack is layer_stack
+    for key, expected in activation_ranges(load_decoder(tiny_qwen, prepack=False), ids).items():
+        torch.testing.assert_close(ranges[key], expected, rtol=1e-4, atol=0)
+
+
 def with_outlier_channels(dense, factor: float = 40.0):
     """`dense` with its norms' first four channels `factor` times larger and the products reading them `factor` times
     smaller: the same float32 function, with the input outliers real models have."""
@@ -138,12 +151,30 @@ def test_int8_loads_smoothed_with_the_layer_norms_scaled_and_the_output_hidden_s
     (`ForwardOutput.hidden`) is what Medusa, EAGLE and MTP draft from: it stays unscaled, so heads trained on the
     float32 model read the same features."""
     dense, int8 = load_decoder(tiny_qwen, prepack=False), load_decoder(tiny_qwen, quantization="int8")
-    ranges = activation_ranges(dense, calibration_ids(load_tokenizer(tiny_qwen), dense.config.vocab_size))
+    # measured on the float32 model as it loads (specdec's kernel: the same bits on every host)
+    calibration = calibration_ids(load_tokenizer(tiny_qwen), dense.config.vocab_size)
+    ranges = activation_ranges(load_decoder(tiny_qwen), calibration)
     ids = list(range(5, 200, 7))
     assert torch.equal(logits(int8, ids), logits(smoothed_decoder(dense, ranges, int8_linear()), ids))
     assert not torch.equal(int8.layers[0].input_norm, dense.layers[0].input_norm)
     assert not torch.equal(int8.layers[0].post_norm, dense.layers[0].post_norm)
     assert torch.equal(int8.final_norm, dense.final_norm) and torch.equal(int8.embed, dense.embed)
+
+
+def test_int8_calibrates_on_the_float32_models_own_kernel(tiny_qwen, monkeypatch):
+    """The ranges are measured on the products a float32 load packs (specdec's kernel where it runs: its sums are the
+    same bits on every host, PyTorch's depend on the CPU)."""
+    kernels_seen = []
+
+    def measured(model_dir, ids, cache_dir, float32_decoder):
+        decoder = float32_decoder()
+        kernels_seen.append({type(getattr(layer, name)) for layer in decoder.layers
+                             for name in ("qkv", "o", "gate_up", "down")})
+        return activation_ranges(decoder, ids)
+
+    monkeypatch.setattr(loader, "cached_activation_ranges", measured)
+    load_decoder(tiny_qwen, quantization="int8")
+    assert kernels_seen == [{type(load_decoder(tiny_qwen).layers[0].qkv)}]
 
 
 def test_int8_calibrates_on_the_texts_bytes_where_the_checkpoint_has_no_tokenizer(tiny_qwen, tmp_path):
@@ -154,6 +185,6 @@ def test_int8_calibrates_on_the_texts_bytes_where_the_checkpoint_has_no_tokenize
             shutil.copy(file, bare / file.name)
     int8 = load_decoder(bare, quantization="int8")
     dense = load_decoder(bare, prepack=False)
-    ranges = activation_ranges(dense, calibration_ids(None, dense.config.vocab_size))
+    ranges = activation_ranges(load_decoder(bare), calibration_ids(None, dense.config.vocab_size))
     ids = list(range(5, 200, 7))
     assert torch.equal(logits(int8, ids), logits(smoothed_decoder(dense, ranges, int8_linear()), ids))

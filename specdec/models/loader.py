@@ -81,7 +81,7 @@ def load_decoder(
     `quantization` None keeps `dtype` weights (float32 CPU weights packed once for their CPU kernel
     unless `prepack=False`), "int8" quantizes them once here, layer by layer, after smoothing their
     activations' outlier channels into the weights (models/smoothing.py: the activations measured once per checkpoint
-    with its float32 weights, then cached). The embedding stays in `dtype`."""
+    with its float32 weights on the float32 CPU kernel, then cached). The embedding stays in `dtype`."""
     hf_config = load_hf_config(model_dir)
     linear = linear_kernel(dtype, device, quantization, prepack)
     name = decoder_name(model_dir, quantization or str(dtype).removeprefix("torch."))
@@ -89,7 +89,9 @@ def load_decoder(
         return _native_decoder(model_dir, hf_config, dtype, device, name, linear, lambda i, layer: _packed(layer, linear))
 
     def float32_decoder() -> Decoder:  # to measure the activations where they are not cached yet
-        return _native_decoder(model_dir, hf_config, torch.float32, device, name, DenseLinear, lambda i, layer: layer)
+        float32 = linear_kernel(torch.float32, device)  # specdec's kernel: the same sums on every host
+        return _native_decoder(model_dir, hf_config, torch.float32, device, name, float32,
+                               lambda i, layer: _packed(layer, float32))
 
     ids = calibration_ids(_tokenizer_if_any(model_dir), DecoderConfig.from_hf(hf_config).vocab_size)
     ranges = cached_activation_ranges(model_dir, ids, zoo.cache_dir(), float32_decoder)

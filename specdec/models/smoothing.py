@@ -9,7 +9,10 @@ RMSNorm's weight; the up projection's rows for the down projection's input), so 
     s_j = max|X_j|^α / max_n |W_nj|^(1−α),   α = SMOOTHING_ALPHA,
 
 max|X_j| over a calibration text shipped beside this module (`calibration_text.txt`: not the quality bench's held text),
-measured once per checkpoint with its float32 weights and cached. Two products are left as they are. The attention
+measured once per checkpoint with its float32 weights and cached. The loader measures them on specdec's float32
+kernels, whose sums are the same bits on every AVX2 and AVX-512 host; PyTorch's products (MKL) sum in an order that
+depends on the CPU, and those last bits alone moved the 1.5B's int8 NLL by up to 0.5% (BENCHMARKS.md, forty-sixth
+session). So an int8 model is the same on every such host. Two products are left as they are. The attention
 output projection reads the value projection's outputs per KV head, which GQA shares between query heads, so one scale
 would have to serve a whole group. The output layer reads the final norm's output, the hidden state that Medusa, EAGLE
 and MTP heads draft from: it stays the float32 model's. Each had the smallest share of int8's NLL penalty
@@ -29,14 +32,14 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from specdec.models.decoder import Decoder, LayerWeights, hidden_states
-from specdec.models.linear import DenseLinear, LinearKernel, gate_up_product
+from specdec.models.linear import DenseLinear, Linear, LinearKernel, gate_up_product
 
 # From a grid of 0.2–0.6 over the 1.5B and the 0.5B, NLL on the held text and on another: every α from 0.2 to 0.5 kept
 # int8's penalty within +0.53% on both texts (none: up to +1.12%), and which of them is lowest moves with one-ulp
 # changes in the weights (BENCHMARKS.md, thirty-ninth session)
 SMOOTHING_ALPHA = 0.4
 CALIBRATION_TOKENS = 1024
-CALIBRATION_VERSION = 1  # change with the text, the statistics or how they are gathered
+CALIBRATION_VERSION = 2  # change with the text, the statistics or how they are gathered
 _CHUNK = 512
 _SMOOTHED = ("qkv", "gate_up", "down")  # each layer's products whose inputs are smoothed
 
@@ -50,11 +53,11 @@ def smoothing_scales(activation_amax: torch.Tensor, weight: torch.Tensor, alpha:
 
 
 class _InputRange:
-    """A dense product that records max |x| per input channel over every row it sees."""
+    """A float32 product that records max |x| per input channel over every row it sees."""
 
     applies_swiglu = False
 
-    def __init__(self, linear: DenseLinear) -> None:
+    def __init__(self, linear: Linear) -> None:
         self.linear = linear
         self.amax = torch.zeros(linear.in_features)
 
@@ -64,15 +67,18 @@ class _InputRange:
 
 
 def activation_ranges(decoder: Decoder, ids: list[int]) -> dict[str, torch.Tensor]:
-    """max |x| per input channel of every smoothed product ("layers.<i>.<product>") over a forward of `ids`,
-    for a decoder whose products are `DenseLinear`s (their values, not a packed kernel's)."""
+    """max |x| per input channel of every smoothed product ("layers.<i>.<product>") over a forward of `ids`, for a
+    float32 decoder (products that do not apply SwiGLU themselves)."""
     products = {f"layers.{i}.{name}": (layer, name) for i, layer in enumerate(decoder.layers) for name in _SMOOTHED}
     recorders = {key: _InputRange(getattr(owner, name)) for key, (owner, name) in products.items()}
     for key, (owner, name) in products.items():
         setattr(owner, name, recorders[key])
+    # the C++ layer loop calls the products' kernels it was built with, past the recorders: the Python loop sees them
+    layer_stack, decoder.layer_stack = decoder.layer_stack, None
     try:
         hidden_states(decoder, ids, _CHUNK)
     finally:
+        decoder.layer_stack = layer_stack
         for key, (owner, name) in products.items():
             setattr(owner, name, recorders[key].linear)
     return {key: recorder.amax for key, recorder in recorders.items()}
