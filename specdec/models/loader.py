@@ -89,9 +89,7 @@ def load_decoder(
         return _native_decoder(model_dir, hf_config, dtype, device, name, linear, lambda i, layer: _packed(layer, linear))
 
     def float32_decoder() -> Decoder:  # to measure the activations where they are not cached yet
-        float32 = linear_kernel(torch.float32, device)  # specdec's kernel: the same sums on every host
-        return _native_decoder(model_dir, hf_config, torch.float32, device, name, float32,
-                               lambda i, layer: _packed(layer, float32))
+        return load_decoder(model_dir, torch.float32, device)  # packed for specdec's kernel: the same sums on any host
 
     ids = calibration_ids(_tokenizer_if_any(model_dir), DecoderConfig.from_hf(hf_config).vocab_size)
     ranges = cached_activation_ranges(model_dir, ids, zoo.cache_dir(), float32_decoder)
