@@ -69,7 +69,7 @@ def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value  # not NaN
 
 
-QUANTIZATION_METHODS = ("int8",)
+QUANTIZATION_METHODS = ("int8", "int4")
 # "auto": the weight format measured fastest for the model's role on its device (models/linear.py,
 # `resolve_quantization`); None: the checkpoint's float weights in `dtype`.
 AUTO_QUANTIZATION = "auto"
@@ -88,7 +88,7 @@ class EngineConfig:
     tokenizer: str | None = None
     skip_tokenizer_init: bool = False
     dtype: str = "float32"
-    quantization: str | None = AUTO_QUANTIZATION  # the target's weight format: "auto", None (dtype) or "int8"
+    quantization: str | None = AUTO_QUANTIZATION  # the target's weight format: "auto", None (dtype), "int8" or "int4"
     max_model_len: int = 4096
     max_num_seqs: int = 8
     max_prefill_chunk: int = 512  # prompt tokens per sequence per step (chunked prefill)

@@ -33,10 +33,11 @@ class LLM:
     (config.json + safetensors) or a .gguf file. `max_model_len` is capped at the
     model's own `max_position_embeddings`. `quantization` is the target's weight format: "auto"
     (default: int8 on a CPU with oneDNN's int8 kernels, else the float weights), None (the float
-    weights in `dtype`) or "int8"; the format used is in `llm.config.quantization`.
+    weights in `dtype`), "int8" or "int4" (4-bit weights: a draft's format, on CPUs with AVX-512 VNNI); the format
+    used is in `llm.config.quantization`.
     `speculative_config` (vLLM names), e.g. `{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
     "num_speculative_tokens": 4, "quantization": "int8"}` (the draft's own format, "auto" by
-    default); None decodes without speculation. γ = num_speculative_tokens is the most a step drafts:
+    default: int4 for a draft model where its kernel runs, else int8); None decodes without speculation. γ = num_speculative_tokens is the most a step drafts:
     with `"adaptive": True` (default) the engine picks γ each step from measured acceptance and this
     machine's measured cost curves (engine/adaptive.py), down to plain steps where drafting loses.
     """

@@ -10,10 +10,12 @@ from hypothesis import strategies as st
 from specdec import LLM, SamplingParams
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.linear import (
+    DEFAULT_DRAFT_MODEL_QUANTIZATION,
     DEFAULT_DRAFT_QUANTIZATION,
     DEFAULT_TARGET_QUANTIZATION,
     AmxInt8Linear,
     Avx2Int8Linear,
+    Int4Linear,
     Int8Linear,
     OneDnnInt8Linear,
     PanelLinear,
@@ -29,6 +31,7 @@ from specdec.models.loader import load_decoder
 
 needs_vnni = pytest.mark.skipif(kernels.int8_vnni() is None, reason="no AVX-512 VNNI on this CPU (or no compiler)")
 needs_avx2_kernel = pytest.mark.skipif(kernels.int8_avx2() is None, reason="no AVX2 on this CPU (or no compiler)")
+needs_int4 = pytest.mark.skipif(kernels.int4_vnni() is None, reason="no AVX-512 VNNI on this CPU (or no compiler)")
 needs_amx = pytest.mark.skipif(not kernels.int8_amx(), reason="no AMX-INT8 on this CPU (or not allowed)")
 SPECDEC_INT8_KERNELS = [pytest.param(AmxInt8Linear, marks=needs_amx), pytest.param(VnniInt8Linear, marks=needs_vnni),
                         pytest.param(Avx2Int8Linear, marks=needs_avx2_kernel)]
@@ -270,10 +273,11 @@ def test_a_cpu_isa_cap_keeps_the_int8_kernel_off_amx(monkeypatch):
     assert not kernels.int8_amx() and linear_kernel(torch.float32, "cpu", "int8") is VnniInt8Linear
 
 
-def test_int8_decoder_block_matches_single_steps(tiny_qwen):
-    """A verify block's rows are bitwise the logits of one-token steps (int8 sums are exact and each
+@pytest.mark.parametrize("quantization", ["int8", pytest.param("int4", marks=needs_int4)])
+def test_quantized_decoder_block_matches_single_steps(quantization, tiny_qwen):
+    """A verify block's rows are bitwise the logits of one-token steps (integer sums are exact and each
     token's attention runs alone over its own prefix)."""
-    decoder = load_decoder(tiny_qwen, quantization="int8")
+    decoder = load_decoder(tiny_qwen, quantization=quantization)
     ids = torch.randint(0, 256, (18,), generator=torch.Generator().manual_seed(0)).tolist()
     cache = decoder.new_kv_cache(2, 64)
     a, b = cache.allocate(), cache.allocate()
@@ -289,16 +293,19 @@ def test_int8_decoder_block_matches_single_steps(tiny_qwen):
 
 
 @pytest.mark.parametrize("gamma", [2, 5])
-def test_int8_greedy_speculation_is_token_identical_to_plain(gamma, tiny_qwen, tiny_qwen_draft):
+@pytest.mark.parametrize("draft_format, draft_linear", [("int8", Int8Linear),
+                                                        pytest.param("int4", Int4Linear, marks=needs_int4)])
+def test_int8_greedy_speculation_is_token_identical_to_plain(gamma, draft_format, draft_linear, tiny_qwen,
+                                                              tiny_qwen_draft):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     # the last prompt is longer than the rows a forward computes row-invariantly: its prefill runs plain
     prompts = ["def add(a, b):", "x", "The quick brown fox jumps over the lazy dog. " * 3]
     plain = LLM(str(tiny_qwen), quantization="int8", max_model_len=256, max_num_seqs=3)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
-    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": gamma, "quantization": "int8",
-            "adaptive": False}
+    spec = {"method": "draft_model", "model": str(tiny_qwen_draft), "num_speculative_tokens": gamma,
+            "quantization": draft_format, "adaptive": False}
     llm = LLM(str(tiny_qwen), quantization="int8", speculative_config=spec, max_model_len=256, max_num_seqs=3)
-    assert isinstance(llm.engine.proposer.model.lm_head, Int8Linear)
+    assert isinstance(llm.engine.proposer.model.lm_head, draft_linear)
     outputs = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     accepted = sum(o.metrics.speculative_decoding["num_accepted_tokens"] for o in outputs)
@@ -318,11 +325,20 @@ def test_auto_formats_are_the_measured_defaults(tiny_qwen, tiny_qwen_draft):
     llm = LLM(str(tiny_qwen), speculative_config=spec, max_model_len=64)  # "auto" for both roles
     assert llm.config.quantization == DEFAULT_TARGET_QUANTIZATION == "int8"
     assert isinstance(llm.engine.model.lm_head, Int8Linear)
-    assert DEFAULT_DRAFT_QUANTIZATION == "int8" and isinstance(llm.engine.proposer.model.lm_head, Int8Linear)
+    # a draft model: int4 where specdec's int4 kernel runs, else int8; draft layers (EAGLE, MTP): int8
+    assert DEFAULT_DRAFT_MODEL_QUANTIZATION == "int4" and DEFAULT_DRAFT_QUANTIZATION == "int8"
+    draft_format = Int4Linear if kernels.int4_vnni() is not None else Int8Linear
+    assert isinstance(llm.engine.proposer.model.lm_head, draft_format)
     # where int8 cannot run, "auto" keeps the float weights instead of failing
     assert resolve_quantization("auto", DEFAULT_TARGET_QUANTIZATION, torch.bfloat16, "cpu") is None
     assert resolve_quantization("auto", DEFAULT_TARGET_QUANTIZATION, torch.float32, "meta") is None
     assert resolve_quantization(None, DEFAULT_TARGET_QUANTIZATION, torch.float32, "cpu") is None
+
+
+def test_an_int4_default_is_int8_where_the_int4_kernel_does_not_run(monkeypatch):
+    monkeypatch.setattr(kernels, "int4_vnni", lambda: None)
+    assert resolve_quantization("auto", DEFAULT_DRAFT_MODEL_QUANTIZATION, torch.float32, "cpu") == "int8"
+    assert resolve_quantization("int4", DEFAULT_DRAFT_MODEL_QUANTIZATION, torch.float32, "cpu") == "int4"  # asked for
 
 
 @pytest.mark.parametrize(
@@ -330,7 +346,7 @@ def test_auto_formats_are_the_measured_defaults(tiny_qwen, tiny_qwen_draft):
     [
         ({"quantization": "fp8"}, "quantization must be None, 'auto' or one of"),
         ({"quantization": "int8", "dtype": "bfloat16"}, "computes in float32"),
-        ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int4"}}, "draft quantization"),
+        ({"speculative_config": {"method": "draft_model", "num_speculative_tokens": 2, "quantization": "int3"}}, "draft quantization"),
     ],
 )
 def test_bad_quantization_is_refused(kwargs, message, tiny_qwen):

@@ -27,7 +27,7 @@ from specdec.bench.workers import WorkerSpec, add_run_arguments, dataset_prompts
 from specdec.models.cost_curve import DEFAULT_CONTEXTS, DEFAULT_KS
 
 DEFAULT_MODELS = ("qwen2.5-coder-1.5b", "qwen2.5-coder-0.5b")
-FORMATS = {"fp32": None, "int8": "int8"}
+FORMATS = {"fp32": None, "int8": "int8", "int4": "int4"}
 
 
 def held_text() -> str:
@@ -156,7 +156,7 @@ def main(argv: Sequence[str]) -> int:
     parser = argparse.ArgumentParser(prog="specdec bench cost_curve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(DEFAULT_MODELS))
-    parser.add_argument("--formats", nargs="+", default=list(FORMATS), choices=list(FORMATS))
+    parser.add_argument("--formats", nargs="+", default=["fp32", "int8"], choices=list(FORMATS))
     parser.add_argument("--no-transformers", action="store_true")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: OUT/cost_curve.png)")
     add_run_arguments(parser, "cost_curve")

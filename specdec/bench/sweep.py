@@ -31,7 +31,7 @@ from specdec.models.zoo import DEFAULT_DRAFT_MODEL, DEFAULT_MODEL
 
 METHODS = ("none", "draft_model", "ngram", "suffix", "medusa", "eagle", "eagle3", "mtp")
 SCHEDULES = ("fixed", "adaptive", "heuristic")
-FORMATS = {"auto": "auto", "fp32": None, "int8": "int8"}
+FORMATS = {"auto": "auto", "fp32": None, "int8": "int8", "int4": "int4"}
 
 
 def parser() -> argparse.ArgumentParser:

@@ -13,7 +13,7 @@ from specdec.spec.verifier import TreeAcceptance, tree_rejection_sample, tree_ty
 
 
 def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig) -> Proposer:
-    from specdec.models.linear import DEFAULT_DRAFT_QUANTIZATION, resolve_quantization
+    from specdec.models.linear import DEFAULT_DRAFT_MODEL_QUANTIZATION, resolve_quantization
     from specdec.models.loader import load_decoder, parse_dtype, resolve_model_dir
     from specdec.spec.proposers.draft_model import DraftModelProposer
 
@@ -21,7 +21,7 @@ def _draft_model(spec: SpeculativeConfig, target: Decoder, engine: EngineConfig)
 
     name = spec.model or DEFAULT_DRAFT_MODEL  # the embedded pair's draft
     dtype = parse_dtype(engine.dtype)
-    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_QUANTIZATION, dtype, engine.device)
+    quantization = resolve_quantization(spec.quantization, DEFAULT_DRAFT_MODEL_QUANTIZATION, dtype, engine.device)
     draft = load_decoder(resolve_model_dir(name), dtype, engine.device, quantization)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(

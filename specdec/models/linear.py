@@ -9,7 +9,9 @@ more than one, where the stock kernel costs 2–3× more for 2–3 rows than for
 row, so sums are exact int32 and a row's result never depends on the other rows of the forward
 (batch invariance, tested bitwise); specdec's own AVX-512 VNNI kernel computes it where the CPU
 has one, its AVX2 kernel on other x86 CPUs (where oneDNN's int16 intermediate sums saturate),
-oneDNN's elsewhere. Measurements behind the choices: BENCHMARKS.md (cost_curve).
+oneDNN's elsewhere. `Int4Linear` stores 4-bit weights in groups of 128 with the same per-row int8 activations
+(a draft model's format; specdec's AVX-512 VNNI kernel). Measurements behind the choices: BENCHMARKS.md (cost_curve,
+draft_model).
 `linear_kernel` chooses once, when the model loads; nothing is decided per call.
 """
 
@@ -27,8 +29,11 @@ from specdec.models import kernels
 # The formats "auto" picks on a CPU with oneDNN's int8 kernels, from end-to-end measurements
 # (BENCHMARKS.md: formats and draft_model sections): int8 makes plain decoding 3–4× faster than
 # float32 at 0–0.3% more NLL (its activations smoothed: models/smoothing.py), and the fastest speculative
-# configuration is an int8 target with an int8 draft. Elsewhere (CUDA, non-float32 dtypes) "auto" keeps the float weights.
+# configuration is an int8 target with an int4 draft model (int8 where specdec's int4 kernel does not run): its
+# forwards take ~0.65 of an int8 draft's and its accepted runs are 3–8% shorter. Draft layers (EAGLE, MTP, Medusa)
+# stay int8 (not measured in int4). Elsewhere (CUDA, non-float32 dtypes) "auto" keeps the float weights.
 DEFAULT_TARGET_QUANTIZATION = "int8"
+DEFAULT_DRAFT_MODEL_QUANTIZATION = "int4"
 DEFAULT_DRAFT_QUANTIZATION = "int8"
 
 
@@ -254,6 +259,65 @@ class Avx2Int8Linear(PackedInt8Linear):
     kernel_module = staticmethod(kernels.int8_avx2)
 
 
+INT4_NEEDS_VNNI = "int4 weights need specdec's AVX-512 VNNI kernel, which does not run (or build) on this CPU; use 'int8'"
+
+
+class Int4Linear:
+    """int4 weights, asymmetric in groups of 128 in-features (a scale s and zero point z per output channel and group,
+    q ∈ 0…15 rounded to nearest), with activations quantized to int8 per row:
+    y[i, n] = s_x[i] · Σ_g s[n, g] · Σ_{k∈g} xq[i, k] · (q[n, k] − z[n, g]) + b[n], each group's sum exact in int32 and
+    the groups added in order in float32, so a row's result never depends on the other rows. Half the bytes of int8:
+    a draft's format (a 4-bit 0.5B's forward costs ~0.65 of an int8 one's, its accepted runs 3–8% shorter, so the
+    1.5B decodes faster with it; as a target the 1.5B would lose 1.7% NLL, over the 1% int8 keeps; BENCHMARKS.md,
+    forty-seventh session). specdec's AVX-512 VNNI kernel (kernels/int4_linear.cpp) computes it; no other kernel
+    does."""
+
+    group = 128
+    panel = 64
+    applies_swiglu = False
+    fuses_swiglu = False
+
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+        self.kernel = kernels.int4_vnni()
+        if self.kernel is None:
+            raise ValueError(INT4_NEEDS_VNNI)
+        self.out_features, self.in_features = weight.shape
+        n = -(-self.out_features // self.panel) * self.panel
+        k = -(-self.in_features // self.group) * self.group
+        groups = F.pad(weight.float(), (0, k - self.in_features, 0, n - self.out_features)).view(n, k // self.group, self.group)
+        # the range spans 0, so that zero (the padding) is exact
+        low, high = groups.amin(-1).clamp_(max=0), groups.amax(-1).clamp_(min=0)
+        scale = (high - low).div_(15).clamp_(min=torch.finfo(torch.float32).tiny)
+        zero = low.div(scale).neg_().round_().clamp_(0, 15)
+        quantized = groups.div(scale[..., None]).round_().add_(zero[..., None]).clamp_(0, 15).to(torch.uint8)
+        # [N / 64, 64, K / 8, (low, high), 4] → bytes [N / 64, K / 8, 64, 4]: k-block j's in-features 8j … 8j + 3 in
+        # the low nibbles, 8j + 4 … 8j + 7 in the high ones
+        nibbles = quantized.view(n // self.panel, self.panel, k // 8, 2, 4)
+        self.packed = self.kernel.pack((nibbles[:, :, :, 0] | nibbles[:, :, :, 1] << 4).permute(0, 2, 1, 3))
+        by_panel = (n // self.panel, self.panel, k // self.group)  # → [N / 64, K / 128, 64]
+        self.scale = scale.view(by_panel).transpose(1, 2).contiguous()
+        self.offset = (scale * zero).view(by_panel).transpose(1, 2).contiguous()
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.weight_bytes = self.packed.numel() + 4 * (self.scale.numel() + self.offset.numel())
+
+    def dequantized(self) -> torch.Tensor:
+        """The weight [out, in] the kernel multiplies by: (q − z) · s."""
+        panels, blocks = self.packed.shape[:2]
+        nibbles = torch.stack([self.packed & 15, self.packed >> 4], dim=2).permute(0, 3, 1, 2, 4)  # [P, 64, K/8, 2, 4]
+        q = nibbles.reshape(panels * self.panel, blocks * 8 // self.group, self.group).float()
+        scale, offset = (t.transpose(1, 2).reshape(panels * self.panel, -1, 1) for t in (self.scale, self.offset))
+        return (q * scale - offset).reshape(panels * self.panel, -1)[: self.out_features, : self.in_features]
+
+    @property
+    def entry(self) -> NativeEntry:
+        return self.kernel.linear_entry, _operands(self.packed, self.scale, self.offset, bias=self.bias), self.out_features
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.kernel.linear(_rows(x, self.in_features), self.packed, self.scale, self.offset, self.bias,
+                               self.out_features)
+        return _shaped_like(y, x)
+
+
 def int8_linear() -> type[Int8Linear]:
     """The int8 kernel for this process: specdec's AMX kernel where the CPU and OS let it run, its VNNI kernel where
     the CPU has AVX-512 VNNI, else its AVX2 kernel, where they build; oneDNN's elsewhere."""
@@ -270,7 +334,7 @@ def float32_linear() -> type[PanelLinear] | type[PrepackedLinear]:
     return PanelLinear if kernels.fp32_linear() is not None else PrepackedLinear
 
 
-Linear = DenseLinear | PrepackedLinear | PanelLinear | Int8Linear
+Linear = DenseLinear | PrepackedLinear | PanelLinear | Int8Linear | Int4Linear
 LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], Linear]
 
 
@@ -298,10 +362,13 @@ def can_run_int8(device: torch.device | str) -> bool:
 
 
 def resolve_quantization(quantization: str | None, default: str, dtype: torch.dtype, device: str) -> str | None:
-    """"auto" → `default` where int8 runs (float32 on a CPU with oneDNN), else None; others unchanged."""
+    """"auto" → `default` where int8 runs (float32 on a CPU with oneDNN; an int4 default also needs specdec's int4
+    kernel, else int8), else None; others unchanged."""
     if quantization != AUTO_QUANTIZATION:
         return quantization
-    return default if can_run_int8(device) and dtype == torch.float32 else None
+    if not (can_run_int8(device) and dtype == torch.float32):
+        return None
+    return "int8" if default == "int4" and kernels.int4_vnni() is None else default
 
 
 def linear_kernel(
@@ -310,14 +377,19 @@ def linear_kernel(
     """The kernel every linear layer of a model will use, chosen once from its format.
 
     quantization None keeps the weights in `dtype` (float32 CPU weights packed once for `float32_linear`'s kernel,
-    unless `prepack=False`); "int8" stores int8 weights and computes in float32 (CPU only).
+    unless `prepack=False`); "int8" stores int8 weights and computes in float32 (CPU only); "int4" stores 4-bit
+    weights (`Int4Linear`: CPUs with AVX-512 VNNI).
     """
     if quantization is None:
         return float32_linear() if (can_prepack(dtype, device) if prepack is None else prepack) else DenseLinear
     if quantization not in QUANTIZATION_METHODS:
         raise ValueError(f"unknown quantization {quantization!r}; choose one of {', '.join(QUANTIZATION_METHODS)} or None")
     if not can_run_int8(device):
-        raise ValueError(f"int8 quantization needs a CPU with oneDNN's int8 kernels; device {device!r} has none")
+        raise ValueError(f"{quantization} quantization needs a CPU with oneDNN's int8 kernels; device {device!r} has none")
     if dtype != torch.float32:
-        raise ValueError(f"int8 quantization computes in float32; got dtype {dtype}")
+        raise ValueError(f"{quantization} quantization computes in float32; got dtype {dtype}")
+    if quantization == "int4":
+        if kernels.int4_vnni() is None:
+            raise ValueError(INT4_NEEDS_VNNI)
+        return Int4Linear
     return int8_linear()

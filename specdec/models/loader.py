@@ -79,7 +79,7 @@ def load_decoder(
 ) -> Decoder:
     """Load the native decoder with every linear layer in one format (see `linear_kernel`):
     `quantization` None keeps `dtype` weights (float32 CPU weights packed once for their CPU kernel
-    unless `prepack=False`), "int8" quantizes them once here, layer by layer, after smoothing their
+    unless `prepack=False`), "int8" (or "int4") quantizes them once here, layer by layer, after smoothing their
     activations' outlier channels into the weights (models/smoothing.py: the activations measured once per checkpoint
     with its float32 weights on the float32 CPU kernel, then cached). The embedding stays in `dtype`."""
     hf_config = load_hf_config(model_dir)

@@ -17,6 +17,7 @@ import torch
 
 from specdec.models.decoder import Decoder
 from specdec.models.linear import (
+    Int4Linear,
     Int8Linear,
     Linear,
     OneDnnInt8Linear,
@@ -69,7 +70,7 @@ class ForwardWork:
         return cls(
             weight_bytes=sum(lin.weight_bytes for lin in linears),
             linear_macs_per_token=sum(lin.in_features * lin.out_features for lin in linears),
-            int8=isinstance(decoder.lm_head, Int8Linear),
+            int8=isinstance(decoder.lm_head, (Int8Linear, Int4Linear)),  # int4 multiplies on the int8 units
             kv_bytes_per_position=2 * c.num_layers * c.num_kv_heads * c.head_dim * element,
             attention_macs_per_position=2 * c.num_layers * c.num_heads * c.head_dim,
         )

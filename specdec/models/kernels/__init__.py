@@ -91,6 +91,15 @@ def int8_amx() -> bool:
 
 
 @functools.cache
+def int4_vnni() -> ModuleType | None:
+    """The AVX-512 VNNI int4 linear kernel (int4_linear.cpp), or None (also where $SPECDEC_MAX_CPU_ISA is below
+    AVX-512). Built without contracting its epilogue into fused multiply-adds, as the int8 kernels."""
+    if AVX512 not in runnable_isas():
+        return None
+    return _build("specdec_int4_vnni", "int4_linear.cpp", INT8_VNNI_FLAGS, ("-ffp-contract=off",))
+
+
+@functools.cache
 def int8_avx2() -> ModuleType | None:
     """The AVX2 int8 linear kernel (int8_linear_avx2.cpp) for CPUs without VNNI, or None. Built without contracting
     its epilogue into fused multiply-adds: it must round as the other int8 kernels do."""
@@ -136,7 +145,7 @@ def layer_loop() -> ModuleType | None:
 
 def build_all() -> dict[str, bool]:
     """Builds the kernels (torch caches the builds); which ones run here (False: not for this CPU, or no compiler)."""
-    built = {"int8 VNNI": int8_vnni(), "int8 AVX2": int8_avx2(), "layer loop": layer_loop()}
+    built = {"int8 VNNI": int8_vnni(), "int8 AVX2": int8_avx2(), "int4 VNNI": int4_vnni(), "layer loop": layer_loop()}
     for isa in runnable_isas():
         built |= {f"fp32 linear {isa.name}": fp32_linear(isa), f"row attention {isa.name}": row_attention(isa),
                   f"norm/SwiGLU {isa.name}": norm_swiglu(isa)}
