@@ -50,7 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--max-model-len", type=int, default=4096)
     gen.add_argument("--dtype", default="float32")
     gen.add_argument("--quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
-                     help="weight format of the model: auto (default: int8 on CPU), none (float weights) or int8")
+                     help="weight format of the model: auto (default: int8 on CPU), none (float weights), int8 "
+                          "or int4 (4-bit: a draft's format)")
     gen.add_argument("--method", default="auto",
                      help="speculation method: auto (default: draft_model with the embedded 0.5B draft for the "
                           "embedded target, or with --draft; none for other models), none (plain decoding), "
@@ -72,7 +73,8 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--prompt-lookup-min", type=int, default=None, help="ngram: shortest n-gram matched (vLLM rule: defaults to max)")
     gen.add_argument("--prompt-lookup-max", type=int, default=None, help="ngram: longest n-gram matched (default 5)")
     gen.add_argument("--draft-quantization", choices=["auto", "none", *QUANTIZATION_METHODS], default="auto",
-                     help="weight format of the draft model: auto (default: int8 on CPU), none or int8")
+                     help="weight format of the draft model: auto (default: int4 on a CPU with AVX-512 VNNI, else "
+                          "int8), none, int8 or int4")
     gen.add_argument("--json", action="store_true", help="print output and metrics as one JSON object")
     gen.set_defaults(run=_generate)
 

@@ -9,8 +9,8 @@
 // operand, the activations its signed one). Scales and offsets: [N / 64][K / 128][64] float.
 // Rows are taken 4 at a time over a panel (the panel stays in L2 for the next 4); the stream is left to the hardware
 // prefetcher (one 209 MB product read 0.84 of the read-bandwidth probe at one row and 0.68 at four so, 0.59–0.65 with
-// 16 or 32 k-blocks fetched ahead into L1, on a Zen 4 host: not yet at the stream). The 0.5B's 96 layer products
-// took 0.64× the VNNI int8 kernel's time at 1–2 rows and 0.70× at 4, its draft forwards in the engine ~7.5 ms
+// 16 or 32 k-blocks fetched ahead into L1, on a Zen 4 host: not yet at the stream). The 0.5B's 96 layer products (its
+// prototype) took 0.64× the VNNI int8 kernel's time at 1–2 rows and 0.70× at 4, its draft forwards in the engine ~7.5 ms
 // against ~11.6 (BENCHMARKS.md, forty-seventh session).
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
