@@ -37,9 +37,10 @@ class LLM:
     used is in `llm.config.quantization`.
     `speculative_config` (vLLM names), e.g. `{"method": "draft_model", "model": "qwen2.5-coder-0.5b",
     "num_speculative_tokens": 4, "quantization": "int8"}` (the draft's own format, "auto" by
-    default: int4 for a draft model where its kernel runs, else int8); None decodes without speculation. γ = num_speculative_tokens is the most a step drafts:
-    with `"adaptive": True` (default) the engine picks γ each step from measured acceptance and this
-    machine's measured cost curves (engine/adaptive.py), down to plain steps where drafting loses.
+    default: int4 for a draft model where its kernel runs, else int8); None decodes without speculation.
+    γ = num_speculative_tokens is the most a step drafts: with `"adaptive": True` (default) the engine picks γ each
+    step from measured acceptance and this machine's measured cost curves (engine/adaptive.py), down to plain steps
+    where drafting loses.
     """
 
     def __init__(
