@@ -30,7 +30,7 @@ from specdec.models.decoder import Decoder
 # up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
 # priced from them: per token it costs far more than the slope of the small-k end suggests)
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
-CURVE_VERSION = 43  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+CURVE_VERSION = 48  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 

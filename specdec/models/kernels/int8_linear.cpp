@@ -24,10 +24,8 @@
 #include <unistd.h>
 #include <immintrin.h>
 #include <array>
-#include <cmath>
 #include <cstring>
 #include <cstdint>
-#include <limits>
 #include <memory>
 #include <utility>
 #include <vector>
@@ -35,6 +33,7 @@
 #include "cpu_family.h"
 #include "huge_pages.h"
 #include "kernel_entry.h"
+#include "row_quantize.h"
 #include "shared_work.h"
 #include "simd.h"
 
@@ -119,39 +118,32 @@ torch::Tensor pack(torch::Tensor weight) {
   return packed;
 }
 
-// one row of x [K] float → s8 at out + (c / 4) · step_stride + c % 4, its scale and the sum of its s8 values
-void quantize_row(const float* row, int64_t k, int64_t kp, int64_t step_stride, int8_t* out, float* scale,
-                  int32_t* sum) {
-  __m512 vmax = _mm512_setzero_ps();
-  int64_t c = 0;
-  for (; c + 16 <= k; c += 16) vmax = _mm512_max_ps(vmax, _mm512_abs_ps(_mm512_loadu_ps(row + c)));
-  float amax = _mm512_reduce_max_ps(vmax);
-  for (; c < k; ++c) amax = std::max(amax, std::fabs(row[c]));
-  const float s = std::max(amax, std::numeric_limits<float>::min()) / 127.0f;  // as OneDnnInt8Linear
+// one row of x [K] float → s8 at out + (c / 4) · step_stride + c % 4 (zeros from K to Kp), its scale and the sum of
+// its s8 values
+void quantize_row_strided(const float* row, int64_t k, int64_t kp, int64_t step_stride, int8_t* out, float* scale,
+                          int32_t* sum) {
+  const float s = specdec::row_scale(row, k);
   *scale = s;
-  c = 0;
-  const __m512 vs = _mm512_set1_ps(s);
   __m512i sums = _mm512_setzero_si512();
-  for (; c + 16 <= k; c += 16) {
-    // x / s rounded to nearest even, as torch.round(x / s)
-    const __m512i q = _mm512_cvtps_epi32(_mm512_div_ps(_mm512_loadu_ps(row + c), vs));
-    sums = _mm512_add_epi32(sums, q);
-    alignas(16) uint32_t groups[4];
-    _mm_store_si128(reinterpret_cast<__m128i*>(groups), _mm512_cvtepi32_epi8(q));
-    if (step_stride == 4) {
-      std::memcpy(out + c, groups, 16);
-    } else {
-      for (int g = 0; g < 4; ++g) std::memcpy(out + (c / 4 + g) * step_stride, groups + g, 4);
-    }
-  }
-  int32_t total = _mm512_reduce_add_epi32(sums);
-  for (; c < k; ++c) {
-    const auto q = static_cast<int32_t>(std::nearbyint(row[c] / s));
-    out[(c / 4) * step_stride + c % 4] = static_cast<int8_t>(q);
-    total += q;
-  }
-  for (; c < kp; ++c) out[(c / 4) * step_stride + c % 4] = 0;
-  *sum = total;
+  int32_t tail = 0;
+  specdec::quantize_row(
+      row, k, s,
+      [&](int64_t c, __m512i q) {
+        sums = _mm512_add_epi32(sums, q);
+        alignas(16) uint32_t groups[4];
+        _mm_store_si128(reinterpret_cast<__m128i*>(groups), _mm512_cvtepi32_epi8(q));
+        if (step_stride == 4) {
+          std::memcpy(out + c, groups, 16);
+        } else {
+          for (int g = 0; g < 4; ++g) std::memcpy(out + (c / 4 + g) * step_stride, groups + g, 4);
+        }
+      },
+      [&](int64_t c, int32_t q) {
+        out[(c / 4) * step_stride + c % 4] = static_cast<int8_t>(q);
+        tail += q;
+      });
+  for (int64_t c = k; c < kp; ++c) out[(c / 4) * step_stride + c % 4] = 0;
+  *sum = _mm512_reduce_add_epi32(sums) + tail;
 }
 
 // rows of x [M, K] → xq with element (r, c) at r · row_stride + (c / 4) · step_stride + c % 4: k-step-major
@@ -163,7 +155,7 @@ void quantize_rows(const float* x, int64_t m, int64_t k, int64_t kp, int64_t row
   // and one panel took 45 µs quantizing on one thread, 33 µs on two (Intel host)
   at::parallel_for(0, m, std::max<int64_t>(1, (32 << 10) / k), [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r)
-      quantize_row(x + r * k, k, kp, step_stride, xq + r * row_stride, scale + r, sum + r);
+      quantize_row_strided(x + r * k, k, kp, step_stride, xq + r * row_stride, scale + r, sum + r);
   });
 }
 
