@@ -142,6 +142,23 @@ def test_catch_up_is_priced_after_what_the_draft_holds():
     assert costs.draft_ms(3, 1000, 100) == pytest.approx(draft.forward_ms(100, 900) + 2 * draft.forward_ms(1, 1000))
 
 
+def test_catch_up_is_priced_with_logits_at_the_last_token_only():
+    """The catch-up computes one logit per sequence: its tokens are priced by the draft's one-logit points (the 0.5B's
+    output layer is ~28% of its multiply-adds per row), its steps in step with the sequence by the every-row curve."""
+    every_row = curve_by_context(lambda k, context: 10.0 + k * (1 + context / 1024))
+    rows = {c: row | {k: 10.0 + k * 0.75 * (1 + c / 1024) for k in (64, 256)} for c, row in every_row.ms.items()}
+    prefill = {c: {k: 10.0 + k * 0.5 * (1 + c / 1024) for k in (64, 256)} for c in rows}
+    draft = CostCurve(rows, {c: {k: (v, v) for k, v in row.items()} for c, row in rows.items()}, prefill=prefill)
+    costs = StepCosts(INT8_TARGET, draft)
+    assert costs.draft_ms(1, 500, 500) == pytest.approx(draft.prefill_ms(500, 0))
+    assert draft.prefill_ms(500, 0) == pytest.approx(10.0 + 500 * 0.5 * 1.125)
+    assert costs.draft_ms(1, 500, 500) < draft.forward_ms(500, 0)
+    assert costs.draft_ms(2, 500, 1) == pytest.approx(draft.forward_ms(1, 499) + draft.forward_ms(1, 500))  # in step
+    # four sequences: their four logits priced by the every-row curve, the 4 × 99 tokens beyond by the one-logit one
+    batch = costs.draft_ms(1, 500, 100, batch_size=4) * 4
+    assert batch == pytest.approx(draft.forward_ms(4, 400) + draft.prefill_ms(400, 400) - draft.prefill_ms(4, 400))
+
+
 def test_measured_step_times_correct_the_cost_curves():
     """Speculative steps that take 1.6× what the curves say (overheads they miss) turn a modeled ~1.2× gain
     into a loss: the controller learns the ratio from the engine's step times and decodes plain."""

@@ -29,6 +29,26 @@ def test_interpolation_in_k_and_context():
     assert CostCurve.from_json(c.to_json()) == c
 
 
+def test_prefill_is_priced_by_the_one_logit_points():
+    """A forward with logits at its last row only (a draft's catch-up) follows the one-logit points measured at large
+    k, from k = 1 (where every row's logit is the one) on; never above the every-row curve; where a context was
+    measured without them, the every-row curve."""
+    ms = {128: {1: 10.0, 8: 20.0, 64: 200.0, 256: 800.0}, 1024: {1: 20.0, 8: 60.0, 64: 300.0, 256: 1000.0}}
+    prefill = {128: {64: 150.0, 256: 600.0}}
+    c = CostCurve(ms, {ctx: {k: (v, v) for k, v in row.items()} for ctx, row in ms.items()}, prefill=prefill)
+    assert c.prefill_ms(1, 128) == 10.0 and c.prefill_ms(64, 128) == 150.0 and c.prefill_ms(256, 128) == 600.0
+    assert c.prefill_ms(160, 128) == pytest.approx(375.0)
+    assert c.prefill_ms(512, 128) == pytest.approx(600.0 + 450.0 / 192 * 256)  # last slope extended
+    assert c.prefill_ms(32, 128) == pytest.approx(10.0 + 140.0 * 31 / 63)
+    assert c.prefill_ms(8, 128) == 20.0  # the line from k = 1 (25.6) lies above the every-row curve, which caps it
+    assert c.prefill_ms(64, 1024) == c.forward_ms(64, 1024) == 300.0  # no one-logit points there
+    assert c.prefill_ms(64, 576) == pytest.approx((150.0 + 300.0) / 2)
+    with pytest.raises(ValueError):
+        c.prefill_ms(0, 128)
+    assert CostCurve.from_json(c.to_json()) == c
+    assert CostCurve(ms, c.spread).prefill_ms(64, 128) == 200.0
+
+
 def test_a_point_above_the_ones_after_it_is_lowered_to_them():
     """Noise only slows a forward: a k = 1 median above the larger k's (measured: the 0.5B's 27.7 ms against 17.9–19.3)
     is lowered to the smallest cost after it, and a dip (k = 4 below k = 3) lowers k = 3; the curve never falls."""
@@ -45,7 +65,7 @@ def counted_measurements(monkeypatch) -> list[list[str]]:
 
     def counting(models, *args, **kwargs):
         calls.append([model.name for model in models])
-        return real(models, ks=(1, 2, 4), contexts=(16, 32), repeats=1)
+        return real(models, ks=(1, 2, 4), contexts=(16, 32), repeats=1, prefill_ks=(8,))
 
     monkeypatch.setattr(cost_module, "measure_cost_curves", counting)
     return calls
@@ -57,6 +77,7 @@ def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
     first = llm.cost_curve()
     assert sorted(first.ms) == [16, 32] and sorted(first.ms[16]) == [1, 2, 4]
     assert all(v > 0 for row in first.ms.values() for v in row.values())
+    assert sorted(first.prefill) == [16, 32] and all(list(row) == [8] and row[8] > 0 for row in first.prefill.values())
     again = LLM(str(tiny_qwen), quantization=None, max_model_len=128).cost_curve()
     assert again == first and len(calls) == 1
     int8 = LLM(str(tiny_qwen), max_model_len=128, quantization="int8").cost_curve()  # another format: measured

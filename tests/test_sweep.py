@@ -104,6 +104,14 @@ def test_quick_sweep_end_to_end_and_resume(tmp_path, monkeypatch, capsys):
         if row["dataset"] == "code_tests":
             assert row["tests_passed"] is not None  # random tiny models: the rate itself is meaningless
         assert row["ttft_s"]["p50"] <= row["ttft_s"]["p99"]
+    # a draft model's cells price both models by curves measured together, whichever cell measured them first
+    priced: dict[tuple, set] = {}
+    for r in results:
+        if r["row"]["method"] == "draft_model":
+            cost = r["cell"]["cost"]
+            priced.setdefault((r["row"]["dataset"], r["row"]["temperature"]), set()).add(
+                (cost["target_ms_k1"], cost["draft_ms_k1"]))
+    assert priced and all(len(pricings) == 1 for pricings in priced.values())
     for name in ("alpha_vs_gamma", "speedup_vs_gamma", "per_position_acceptance", "time_split"):
         assert (out / f"{name}.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = doc.read_text()

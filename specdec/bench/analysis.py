@@ -12,7 +12,7 @@ efficiency = measured speedup ÷ cost-aware prediction: what the engine loses be
 
 modeled speedup: the run's own step counts priced by the measured cost curves — every step's target
 forward over its γ + 1 tokens, every draft-model forward at the draft's one-token cost plus its
-catch-up tokens (prompt prefill, skipped tokens) at the draft's marginal cost per token — against one
+catch-up tokens (prompt prefill, skipped tokens) at its cost per token of a mean prompt's prefill — against one
 target forward per token for plain decoding. It judges γ schedules without the wall clock's noise
 (±50% here under load); the wall-clock speedup confirms it.
 """

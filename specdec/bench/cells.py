@@ -179,18 +179,24 @@ class _SpecdecEngine:
         from specdec.models.cost_curve import cached_cost_curves
         from specdec.models.zoo import cache_dir
 
-        curve = self.llm.cost_curve()
+        proposer = self.llm.engine.proposer
+        drafts = [] if proposer is None or proposer.model is None else [proposer.model]
+        # a draft model's curve with the target's measured beside it, as the controller reads them (the target's
+        # alone, measured by an earlier setup, once priced a cell's verification at 30.7 ms and its drafts at a
+        # curve measured with a 46.6 ms one)
+        curve, *draft_curves = cached_cost_curves([self.llm.engine.model, *drafts], cache_dir())
         context = int(statistics.mean(len(p) for p in ids) + workload.max_tokens / 2)
         # up to 33 rows: a tree verifies more nodes than its depth γ
         rows = max(self.setup.gamma + 1, 33)
         cost = {"context": context, "target_ms_k1": curve.forward_ms(1, context),
                 "v": {k: curve.relative(k, context) for k in range(1, rows + 1)}}
-        proposer = self.llm.engine.proposer
-        if proposer is not None and proposer.model is not None:
-            [_, draft] = cached_cost_curves([self.llm.engine.model, proposer.model], cache_dir())
+        if draft_curves:
+            [draft] = draft_curves
             cost["draft_ms_k1"] = draft.forward_ms(1, context)
-            # what each token beyond the first adds to a draft forward: its catch-ups feed many at once
-            cost["draft_ms_per_extra_token"] = (draft.forward_ms(32, context) - draft.forward_ms(1, context)) / 31
+            # what each token beyond the first adds to a draft forward: its catch-ups feed many at once, the bulk of
+            # them its prefill of the prompt (logits at the last token only)
+            prompt = max(2, round(statistics.mean(len(p) for p in ids)))
+            cost["draft_ms_per_extra_token"] = (draft.prefill_ms(prompt, 0) - draft.forward_ms(1, 0)) / (prompt - 1)
         return {"engine_format": self.llm.config.quantization or self.llm.config.dtype,
                 "eos_token_ids": sorted(self.llm.engine.rules.eos_token_ids), "cost": cost}
 

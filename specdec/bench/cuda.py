@@ -125,7 +125,7 @@ def main(argv: Sequence[str]) -> int:
         ks, row_invariant_tokens = tuple(args.ks), model.row_invariant_tokens
         for attention, limit in (("per-token", row_invariant_tokens), ("one kernel", 0)):
             model.row_invariant_tokens = limit
-            [curve] = measure_cost_curves([model], ks=ks, contexts=CONTEXTS)
+            [curve] = measure_cost_curves([model], ks=ks, contexts=CONTEXTS, prefill_ks=())
             result["curves"][attention] = {
                 c: {k: {"ms": curve.ms[c][k], "spread": curve.spread[c][k], "roofline_ms": work.roofline_ms(k, c, ceilings)}
                     for k in ks} for c in CONTEXTS

@@ -167,7 +167,8 @@ def _forward_costs(llm: Any, prompts: list[list[int]], ks: tuple[int, ...] = (1,
     context = max(len(p) for p in prompts)
     proposer = llm.engine.proposer
     drafts = [] if proposer is None or proposer.model is None else [proposer.model]
-    target, *draft = (curve.ms[context] for curve in measure_cost_curves([llm.engine.model, *drafts], ks, (context,)))
+    curves = measure_cost_curves([llm.engine.model, *drafts], ks, (context,), prefill_ks=())
+    target, *draft = (curve.ms[context] for curve in curves)
     return {"context_tokens": context, "target_ms": target, "draft_ms": draft[0] if draft else None}
 
 

@@ -140,11 +140,13 @@ class StepCosts:
     def draft_ms(self, gamma: int, context: int, unseen: int, batch_size: int = 1) -> float:
         """γ draft forwards at a sequence of `context` tokens, the first over the `unseen` tokens the draft has to
         catch up on (after the `context − unseen` it holds: a curve's context is what is cached before the forward).
-        The int8 0.5B's catch-up on a 534-token prompt measured 580 ms; priced after the 534 tokens as well, 688."""
+        The catch-up computes logits at each sequence's last token only, so the tokens beyond those rows are priced
+        by the draft's one-logit curve (`CostCurve.prefill_ms`)."""
         if self.draft is None or gamma == 0:
             return 0.0
-        first = self.draft.forward_ms(unseen * batch_size, max(0, context - unseen))
-        return (first + (gamma - 1) * self.draft.forward_ms(batch_size, context)) / batch_size
+        draft, held, rows = self.draft, max(0, context - unseen), batch_size
+        first = draft.forward_ms(rows, held) + draft.prefill_ms(unseen * rows, held) - draft.prefill_ms(rows, held)
+        return (first + (gamma - 1) * draft.forward_ms(rows, context)) / batch_size
 
 
 @dataclass

@@ -23,31 +23,42 @@ from pathlib import Path
 
 import torch
 
+from specdec.kv_cache import KVCache
 from specdec.models import kernels
 from specdec.models.batch import ForwardBatch, SequenceInput
 from specdec.models.decoder import Decoder
 
-# up to 32: verification; 64 and 256: catch-up and prefill (a draft model's prefill of the prompt is
-# priced from them: per token it costs far more than the slope of the small-k end suggests)
+# up to 32: verification; 64 and 256: catch-up and prefill (per token they cost far more than the slope of the
+# small-k end suggests)
 DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
-CURVE_VERSION = 48  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+# where a forward is also timed with logits at its last row only, as a draft model's catch-up computes them: the
+# 0.5B's output layer is ~28% of its multiply-adds per row, so its int4 catch-up on a 534-token prompt, priced from
+# the every-row curve, came to 1090 ms against 711–817 measured (724 from these points)
+PREFILL_KS = (64, 256)
+CURVE_VERSION = 49  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
 @dataclass(frozen=True)
 class CostCurve:
-    """Median ms per forward: `ms[context][k]` (keys as measured), with (min, max) spreads and, where kept, every
-    round's time (`samples[context][k][round]`); `session` names the measurement, shared by curves measured
-    together."""
+    """Median ms per forward: `ms[context][k]` (keys as measured, logits at every row), with (min, max) spreads and,
+    where kept, every round's time (`samples[context][k][round]`); `session` names the measurement, shared by curves
+    measured together; `prefill[context][k]`: the median with logits at the last row only, where measured."""
 
     ms: dict[int, dict[int, float]]
     spread: dict[int, dict[int, tuple[float, float]]]
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
     session: str = ""
+    prefill: dict[int, dict[int, float]] = field(default_factory=dict)
     _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # `ms`, made monotone
+    _prefill_rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "_rising", {c: monotone(row) for c, row in self.ms.items()})
+        rising = {c: monotone(row) for c, row in self.ms.items()}
+        object.__setattr__(self, "_rising", rising)
+        # at k = 1 the one logit is every row's
+        object.__setattr__(self, "_prefill_rising", {c: monotone({1: rising[c][min(rising[c])], **row})
+                                                     for c, row in self.prefill.items() if c in rising})
 
     @property
     def contexts(self) -> list[int]:
@@ -56,23 +67,37 @@ class CostCurve:
     def forward_ms(self, k: int, context: int) -> float:
         """Interpolated linearly in k and in context (clamped to the measured contexts). A forward over more
         tokens never costs less: each measured point is lowered to the smallest one at a larger k (`monotone`)."""
-        if k < 1:
-            raise ValueError(f"a forward has at least one new token, got k={k}")
+        return self._across_contexts(context, lambda c: _interpolate(self._rising[c], _checked(k)))
+
+    def prefill_ms(self, k: int, context: int) -> float:
+        """A forward over k new tokens with logits at the last one only (a draft model catching up on a prompt or on
+        skipped tokens): the measured one-logit points and k = 1, interpolated as `forward_ms`, never above it;
+        `forward_ms` at a context measured without them."""
+
+        def at(c: int) -> float:
+            every_row = _interpolate(self._rising[c], _checked(k))
+            return min(every_row, _interpolate(self._prefill_rising[c], k)) if c in self._prefill_rising else every_row
+
+        return self._across_contexts(context, at)
+
+    def _across_contexts(self, context: int, at: Callable[[int], float]) -> float:
+        """`at` a measured context, interpolated linearly between the two around `context` (clamped to them)."""
         contexts = self.contexts
         context = min(max(context, contexts[0]), contexts[-1])
         upper = next(c for c in contexts if c >= context)
         lower = max((c for c in contexts if c <= context), default=upper)
-        at_lower, at_upper = _interpolate(self._rising[lower], k), _interpolate(self._rising[upper], k)
+        at_lower = at(lower)
         if upper == lower:
             return at_lower
-        return at_lower + (at_upper - at_lower) * (context - lower) / (upper - lower)
+        return at_lower + (at(upper) - at_lower) * (context - lower) / (upper - lower)
 
     def relative(self, k: int, context: int) -> float:
         """v(k) = cost(k) / cost(1) at that context."""
         return self.forward_ms(k, context) / self.forward_ms(1, context)
 
     def to_json(self) -> dict:
-        return {"ms": self.ms, "spread": self.spread, "samples": self.samples, "session": self.session}
+        return {"ms": self.ms, "spread": self.spread, "samples": self.samples, "session": self.session,
+                "prefill": self.prefill}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostCurve":
@@ -81,7 +106,14 @@ class CostCurve:
             spread={int(c): {int(k): tuple(v) for k, v in row.items()} for c, row in data["spread"].items()},
             samples={int(c): {int(k): list(v) for k, v in row.items()} for c, row in data.get("samples", {}).items()},
             session=data.get("session", ""),
+            prefill={int(c): {int(k): float(v) for k, v in row.items()} for c, row in data.get("prefill", {}).items()},
         )
+
+
+def _checked(k: int) -> int:
+    if k < 1:
+        raise ValueError(f"a forward has at least one new token, got k={k}")
+    return k
 
 
 def _interpolate(row: dict[int, float], k: int) -> float:
@@ -117,17 +149,18 @@ def measure_cost_curves(
     repeats: int = 5,
     after_round: Callable[[], object] | None = None,
     after_forward: Callable[[int, int], object] | None = None,
+    prefill_ks: tuple[int, ...] = PREFILL_KS,
 ) -> list[CostCurve]:
     """Each model's curve: forwards over k new tokens (logits at every row, as verification needs) after a cached
-    context, timed. Each round sweeps every (context, k) in turn, each point over every model in turn, so that
-    machine noise (memory bandwidth here drifts by tens of percent over minutes) spreads over the whole curve, not
+    context, timed; at `prefill_ks` also with logits at the last row only (`CostCurve.prefill`). Each round sweeps
+    every (context, k) in turn, each point over every model in turn, so that machine noise (memory bandwidth here drifts by tens of percent over minutes) spreads over the whole curve, not
     one point, and over the models alike, whose ratio the adaptive controller weighs.
     `after_round` runs after each measured round and `after_forward(context, k)` after each timed forward,
     outside the timing (the bench measures the machine's ceilings there, so each time has ceilings taken beside it)."""
     g = torch.Generator().manual_seed(0)
     caches, slots = [], []
     for model in models:
-        caches.append(cache := model.new_kv_cache(len(contexts), max(contexts) + max(ks)))
+        caches.append(cache := model.new_kv_cache(len(contexts), max(contexts) + max(ks + prefill_ks)))
         slots.append(model_slots := {})
         for context in contexts:
             model_slots[context] = slot = cache.allocate()
@@ -136,20 +169,31 @@ def measure_cost_curves(
                 chunk = prompt[start : start + 512]
                 model.forward(ForwardBatch.build([SequenceInput(slot, chunk, num_logits=1)], [start]), cache)
     times = [{c: {k: [] for k in ks} for c in contexts} for _ in models]
+    prefill_times = [{c: {k: [] for k in prefill_ks} for c in contexts} for _ in models]
+
+    def timed(model: Decoder, cache: KVCache, slot: int, context: int, k: int, num_logits: int) -> float:
+        tokens = torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist()
+        batch = ForwardBatch.build([SequenceInput(slot, tokens, num_logits=num_logits)], [context])
+        start = time.perf_counter()
+        model.forward(batch, cache)
+        elapsed = (time.perf_counter() - start) * 1000
+        cache.truncate(slot, context)
+        return elapsed
+
     for round_ in range(repeats + 1):  # round 0 warms up each shape
         for context in contexts:
             for k in ks:
                 for model, cache, model_slots, model_times in zip(models, caches, slots, times):
-                    tokens = torch.randint(0, model.config.vocab_size, (k,), generator=g).tolist()
-                    batch = ForwardBatch.build([SequenceInput(model_slots[context], tokens, num_logits=k)], [context])
-                    start = time.perf_counter()
-                    model.forward(batch, cache)
-                    elapsed = (time.perf_counter() - start) * 1000
-                    cache.truncate(model_slots[context], context)
+                    elapsed = timed(model, cache, model_slots[context], context, k, k)
                     if round_:
                         model_times[context][k].append(elapsed)
                         if after_forward is not None:
                             after_forward(context, k)
+            for k in prefill_ks:
+                for model, cache, model_slots, model_times in zip(models, caches, slots, prefill_times):
+                    elapsed = timed(model, cache, model_slots[context], context, k, 1)
+                    if round_:
+                        model_times[context][k].append(elapsed)
         if round_ and after_round is not None:
             after_round()
     session = uuid.uuid4().hex
@@ -159,8 +203,9 @@ def measure_cost_curves(
             {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in model_times.items()},
             model_times,
             session,
+            {c: {k: statistics.median(t) for k, t in row.items()} for c, row in model_prefill.items()},
         )
-        for model_times in times
+        for model_times, model_prefill in zip(times, prefill_times)
     ]
 
 
