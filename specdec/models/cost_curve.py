@@ -56,7 +56,7 @@ class CostCurve:
     def __post_init__(self) -> None:
         rising = {c: monotone(row) for c, row in self.ms.items()}
         object.__setattr__(self, "_rising", rising)
-        # at k = 1 the one logit is every row's
+        # at k = 1 the one logit is every row's (the sweep's smallest k stands in where 1 was not measured)
         object.__setattr__(self, "_prefill_rising", {c: monotone({1: rising[c][min(rising[c])], **row})
                                                      for c, row in self.prefill.items() if c in rising})
 
@@ -153,8 +153,9 @@ def measure_cost_curves(
 ) -> list[CostCurve]:
     """Each model's curve: forwards over k new tokens (logits at every row, as verification needs) after a cached
     context, timed; at `prefill_ks` also with logits at the last row only (`CostCurve.prefill`). Each round sweeps
-    every (context, k) in turn, each point over every model in turn, so that machine noise (memory bandwidth here drifts by tens of percent over minutes) spreads over the whole curve, not
-    one point, and over the models alike, whose ratio the adaptive controller weighs.
+    every (context, k) in turn, each point over every model in turn, so that machine noise (memory bandwidth here
+    drifts by tens of percent over minutes) spreads over the whole curve, not one point, and over the models alike,
+    whose ratio the adaptive controller weighs.
     `after_round` runs after each measured round and `after_forward(context, k)` after each timed forward,
     outside the timing (the bench measures the machine's ceilings there, so each time has ceilings taken beside it)."""
     g = torch.Generator().manual_seed(0)
