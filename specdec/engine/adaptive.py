@@ -144,9 +144,11 @@ class StepCosts:
         by the draft's one-logit curve (`CostCurve.prefill_ms`)."""
         if self.draft is None or gamma == 0:
             return 0.0
-        draft, held, rows = self.draft, max(0, context - unseen), batch_size
-        first = draft.forward_ms(rows, held) + draft.prefill_ms(unseen * rows, held) - draft.prefill_ms(rows, held)
-        return (first + (gamma - 1) * draft.forward_ms(rows, context)) / batch_size
+        draft, held = self.draft, max(0, context - unseen)
+        first = draft.forward_ms(batch_size, held)
+        if unseen > 1:  # a catch-up (in step, the usual case, it adds nothing: spare the controller's every step)
+            first += draft.prefill_ms(unseen * batch_size, held) - draft.prefill_ms(batch_size, held)
+        return (first + (gamma - 1) * draft.forward_ms(batch_size, context)) / batch_size
 
 
 @dataclass
