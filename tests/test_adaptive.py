@@ -216,6 +216,45 @@ def test_a_slow_machine_while_speculating_is_not_speculation_overhead():
     assert controller.machine == pytest.approx(1.0, rel=0.01)
 
 
+def test_the_machine_is_read_through_the_curves_bounds():
+    """Memory 1.6× slower than when the curves were measured (this machine switches between ~35 and ~60 GB/s): the
+    controller reads it off the target forwards of plain and speculative steps through the curve's two bounds, then
+    prices each verification as the slow machine runs it (a verification that waits on the arithmetic costs the same;
+    scaled by 1.6 it would cost 1.6×), so it drafts at least as deep as on the fast machine. A forward that waits on the
+    arithmetic alone says nothing of the memory and leaves the estimate."""
+    ks = (1, 2, 3, 4, 6, 8, 12, 16, 32)
+    fast = curve(lambda k: max(30.0 + (k - 1), 5.0 * k))
+    slow = curve(lambda k: max(48.0 + (k - 1), 5.0 * k))
+    costs = StepCosts(fast, curve(lambda k: 4.0 + 0.1 * k))
+    controller = AdaptiveGamma(costs, probe_budget=0.0)
+    seq = sequence()
+    rng = random.Random(0)
+    for _ in range(120):
+        gamma = controller.trim(seq, controller.choose(seq, 8))
+        state = controller._state(seq)
+        truth = slow.forward_ms(gamma + 1, seq.num_tokens)
+        draft_truth = costs.draft_ms(gamma, seq.num_tokens, state.modeled_step[2], machine=1.6)  # slowed alike
+        controller.step_timed([seq], truth + draft_truth, truth)
+        accepted = 0
+        while accepted < gamma and rng.random() < 0.8:
+            accepted += 1
+        controller.observe(seq, gamma, accepted)
+        seq.output_token_ids.extend([1] * (accepted + 1))
+    assert controller.machine == pytest.approx(1.6, rel=0.02)
+    assert controller.plain_overhead == pytest.approx(1.0, rel=0.02)
+    assert controller.speculation_overhead == pytest.approx(1.0, rel=0.02)
+    for k in ks:
+        assert controller._verify_ms(state, k - 1) == pytest.approx(slow.forward_ms(k, seq.num_tokens), rel=0.03)
+    assert controller._verify_ms(state, 11) < 0.7 * 1.6 * fast.forward_ms(12, seq.num_tokens)  # scaling: 96 ms
+    calm = AdaptiveGamma(costs, probe_budget=0.0)
+    calm._states[seq] = controller._states[seq]
+    assert controller.choose(seq, 8) >= calm.choose(seq, 8) > 0
+    # a forward over 32 tokens waits on the arithmetic: its time, whatever it is, leaves the machine as it was
+    state.modeled_step, machine = (0, 31, 1), controller.machine
+    controller.step_timed([seq], 400.0, 400.0)
+    assert controller.machine == machine
+
+
 def test_a_lookup_that_finds_nothing_is_timed_as_a_plain_step():
     """An n-gram or suffix lookup asked for γ tokens that finds no match runs a plain step: its time calibrates
     plain steps, not speculation (which a plain step's time against a γ + 1 token verify would make look cheap)."""

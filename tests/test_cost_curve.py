@@ -58,6 +58,58 @@ def test_a_point_above_the_ones_after_it_is_lowered_to_them():
     assert c.ms == ms  # the measured medians are kept as measured
 
 
+def two_bound_curve(machine: float) -> CostCurve:
+    """A curve made by the physics `BoundLines` assumes: the weight stream (30 ms at machine 1, + 1 ms a token) or the
+    arithmetic (5 ms a token), whichever is longer; memory `machine` times slower lengthens the stream alone."""
+    ks = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64)
+    ms = {c: {k: max(30.0 * machine + c / 128 + (k - 1), 5.0 * k) for k in ks} for c in (128, 1024)}
+    return CostCurve(ms, {c: {k: (v, v) for k, v in row.items()} for c, row in ms.items()})
+
+
+def test_a_curve_moves_with_the_memory_as_its_bounds_say():
+    """Priced on a machine whose one-token forwards run `machine` × slower or faster, the curve measured in fast memory
+    gives the one measured in slow memory and back: a point that waits on the stream moves by the stream's change, one
+    that waits on the arithmetic stays, one in between goes to the longer of the two. Scaling every point by the
+    one-token ratio (what the controller did before) misses all but the first."""
+    fast, slow = two_bound_curve(1.0), two_bound_curve(1.6)
+    for context in (128, 1024):
+        ratio = slow.forward_ms(1, context) / fast.forward_ms(1, context)
+        for k in (1, 2, 3, 4, 6, 8, 12, 16, 32, 64):
+            assert fast.forward_ms(k, context, ratio) == pytest.approx(slow.forward_ms(k, context))
+            assert slow.forward_ms(k, context, 1 / ratio) == pytest.approx(fast.forward_ms(k, context))
+            assert fast.forward_ms(k, context, 1.0) == fast.ms[context][k]  # as measured
+        assert fast.forward_ms(16, context) * ratio > 1.4 * slow.forward_ms(16, context)  # scaled: overpriced
+        assert fast.forward_ms(64, context) * ratio > 1.4 * slow.forward_ms(64, context)
+    lines = fast._lines[128]
+    assert (lines.first, lines.per_token, lines.compute_per_token) == pytest.approx((31.0, 1.0, 5.0))
+    # one-logit points move alike (a catch-up of many tokens waits on the arithmetic)
+    prefill, ratio = CostCurve(fast.ms, fast.spread, prefill={128: {64: 250.0}}), 49.0 / 31.0
+    assert prefill.prefill_ms(64, 128, ratio) == pytest.approx(250.0)
+    assert prefill.prefill_ms(1, 128, ratio) == pytest.approx(slow.forward_ms(1, 128))
+
+
+def test_rounds_the_memory_split_are_brought_to_one_machine_state():
+    """Memory that turned slow (1.6×) within a measurement, after three rounds for small k but after one for larger k:
+    the plain medians mix the phases across k (fast to k = 4, slow beyond). Each sample brought to the fastest machine
+    state of the measurement, as the one-token forward timed beside it says, gives the fast phase's curve."""
+    fast, slow = two_bound_curve(1.0), two_bound_curve(1.6)
+    samples, one_token, ms = {}, {}, {}
+    for c, row in fast.ms.items():
+        states = {k: [1.0] * (3 if k <= 4 else 1) + [1.6] * (2 if k <= 4 else 4) for k in row}
+        phase = {1.0: fast, 1.6: slow}
+        samples[c] = {k: [phase[m].ms[c][k] for m in states[k]] for k in row}
+        one_token[c] = {k: [phase[m].ms[c][1] for m in states[k]] for k in row}
+        ms[c] = {k: sorted(times)[2] for k, times in samples[c].items()}
+    spread = {c: {k: (min(t), max(t)) for k, t in row.items()} for c, row in samples.items()}
+    mixed = CostCurve(ms, spread, samples)
+    steady = CostCurve(ms, spread, samples, one_token=one_token)
+    for c in ms:
+        assert mixed.forward_ms(4, c) == fast.ms[c][4] and mixed.forward_ms(6, c) == slow.ms[c][6]
+        for k in ms[c]:
+            assert steady.forward_ms(k, c) == pytest.approx(fast.ms[c][k], rel=0.005)
+    assert steady.ms == ms and CostCurve.from_json(steady.to_json()) == steady
+
+
 def counted_measurements(monkeypatch) -> list[list[str]]:
     """The names of the models each measurement of curves takes in (kept short: small ks and contexts)."""
     calls = []

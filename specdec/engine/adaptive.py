@@ -10,8 +10,9 @@ The controller picks γ ∈ {0, …, γ_max} maximising E[tokens] / E[ms]; γ = 
 batch, a sequence pays its share of forwards over every decoding sequence's tokens (`StepCosts`); what
 the curves miss is learned from the measured time of decode steps: the machine now against when its
 curves were measured, from each step's own target forward (it drifts; the seconds after a model loads
-run up to 2–3× slow), and what a step costs beyond that, for plain and for speculative steps apart
-(sampling and verifying each row, the draft's own work). Once
+run up to 2–3× slow; memory here runs at ~35 or ~60 GB/s for minutes, which moves a forward over few
+tokens, not one over many: `CostCurve.forward_ms`), and what a step costs beyond that, for plain and for
+speculative steps apart (sampling and verifying each row, the draft's own work). Once
 the proposer has drafted, the drafting is paid for, and the draft is trimmed to the prefix k that
 maximises E[tokens](k) − R · verify_ms(k + 1), R being the rate the choice promised.
 
@@ -134,10 +135,11 @@ class StepCosts:
     target: CostCurve
     draft: CostCurve | None = None
 
-    def verify_ms(self, num_tokens: int, context: int, batch_size: int = 1) -> float:
-        return self.target.forward_ms(num_tokens * batch_size, context) / batch_size
+    def verify_ms(self, num_tokens: int, context: int, batch_size: int = 1, machine: float = 1.0) -> float:
+        """`machine`: one-token forwards take `machine` times their measured time now (`CostCurve.forward_ms`)."""
+        return self.target.forward_ms(num_tokens * batch_size, context, machine) / batch_size
 
-    def draft_ms(self, gamma: int, context: int, unseen: int, batch_size: int = 1) -> float:
+    def draft_ms(self, gamma: int, context: int, unseen: int, batch_size: int = 1, machine: float = 1.0) -> float:
         """γ draft forwards at a sequence of `context` tokens, the first over the `unseen` tokens the draft has to
         catch up on (after the `context − unseen` it holds: a curve's context is what is cached before the forward).
         The catch-up computes logits at each sequence's last token only, so the tokens beyond those rows are priced
@@ -145,10 +147,10 @@ class StepCosts:
         if self.draft is None or gamma == 0:
             return 0.0
         draft, held = self.draft, max(0, context - unseen)
-        first = draft.forward_ms(batch_size, held)
+        first = draft.forward_ms(batch_size, held, machine)
         if unseen > 1:  # a catch-up (in step, the usual case, it adds nothing: spare the controller's every step)
-            first += draft.prefill_ms(unseen * batch_size, held) - draft.prefill_ms(batch_size, held)
-        return (first + (gamma - 1) * draft.forward_ms(batch_size, context)) / batch_size
+            first += draft.prefill_ms(unseen * batch_size, held, machine) - draft.prefill_ms(batch_size, held, machine)
+        return (first + (gamma - 1) * draft.forward_ms(batch_size, context, machine)) / batch_size
 
 
 @dataclass
@@ -211,6 +213,10 @@ def beta_weights(a: float, b: float, grid: Seq[float] = ALPHA_GRID) -> list[floa
     return [w / total for w in weights]
 
 
+MACHINE_STEP = 0.01  # of the machine factor, to take the modeled forward's slope in it
+MIN_MACHINE_SLOPE = 0.05  # below this share of the forward per unit of the factor, the forward tells nothing of it
+
+
 def _clamped(ratio: float) -> float:
     """A measured ÷ modeled time, within what a real drift or overhead can be (one stalled step must not swing
     the estimates)."""
@@ -236,6 +242,7 @@ class _SequenceState:
     drafted: int = 0  # γ asked of the proposer this step
     modeled_ms: float = 0.0  # this sequence's share of the step, by the cost curves alone (uncalibrated)
     modeled_forward_ms: float = 0.0  # of which the target's forward
+    modeled_step: tuple[int, int, int] = (0, 0, 1)  # what that prices: tokens drafted, verified, unseen by the draft
     probing: bool = False  # this step is a probe
     may_probe: bool = False  # a stratified step whose pooled choice was plain: `trim` may keep one token as a probe
     probe_cost: float = 0.0  # what that probe would cost beyond a plain step
@@ -281,9 +288,10 @@ class AdaptiveGamma:
         self.max_prior_weight = max_prior_weight
         self.probe_credit_ms = 0.0  # probe_budget × the time of every plain step so far, less the probes' cost
         # what the cost curves miss, from the measured time of decode steps: the machine now against when the
-        # curves were measured (each step's target forward ÷ its modeled time), and beyond that what plain steps
-        # cost over their forward (sampling, the engine), and speculative steps over a plain step's ratio (a
-        # batched forward's per-sequence work, sampling and verifying each row)
+        # curves were measured (a one-token forward's time ÷ its measured time, read off each step's target forward
+        # through the curve's `BoundLines`), and beyond that what plain steps cost over their forward (sampling, the
+        # engine), and speculative steps over a plain step's ratio (a batched forward's per-sequence work, sampling
+        # and verifying each row)
         self.machine = self.plain_overhead = self.speculation_overhead = 1.0
         self._states: dict[Sequence, _SequenceState] = {}
 
@@ -298,18 +306,17 @@ class AdaptiveGamma:
     def _choose(self, state: _SequenceState, seq: Sequence, gamma_max: int) -> int:
         if gamma_max == 0:
             return 0
-        context, batch_size = seq.num_tokens, state.batch_size
-        plain = self.plain_calibration
-        speculative = plain * self.speculation_overhead
+        context, batch_size, machine = seq.num_tokens, state.batch_size, self.machine
+        speculative = self.plain_overhead * self.speculation_overhead
         # kept for `trim`, which runs on the same step with the same estimates
         state.expected = tokens = expected_tokens(self._rates(state, gamma_max))
         state.verify_ms = [self._verify_ms(state, g) for g in range(gamma_max + 1)]
         # steady state: the draft model in step with the sequence (its catch-up is a one-off, priced below)
-        per_draft = self.costs.draft_ms(1, context, 1, batch_size) * speculative
+        per_draft = self.costs.draft_ms(1, context, 1, batch_size, machine) * speculative
         times = [g * per_draft + verify for g, verify in enumerate(state.verify_ms)]
         ratios = [t / ms for t, ms in zip(tokens, times)]
         best = max(range(gamma_max + 1), key=ratios.__getitem__)
-        catch_up = self.costs.draft_ms(1, context, state.unseen, batch_size) * speculative - per_draft
+        catch_up = self.costs.draft_ms(1, context, state.unseen, batch_size, machine) * speculative - per_draft
         remaining = min(self.horizon, seq.params.max_tokens - len(seq.output_token_ids))
         if state.estimate.evidence() < self.min_evidence and (best == 0 or catch_up > 0):
             if self._worth_trying(state, per_draft, state.verify_ms, remaining, catch_up):
@@ -367,15 +374,19 @@ class AdaptiveGamma:
         states = [self._states[s] for s in seqs if s in self._states]
         if not states or len(states) < len(seqs):
             return
-        modeled, modeled_forward = sum(s.modeled_ms for s in states), sum(s.modeled_forward_ms for s in states)
-        if modeled <= 0 or modeled_forward <= 0:
+        if sum(s.modeled_ms for s in states) <= 0 or sum(s.modeled_forward_ms for s in states) <= 0:
             return
         # the machine's speed from this step's own forward: a machine running slow slows plain and speculative
         # steps alike, and a slow stretch while the controller speculates must not read as speculation's cost
-        # (it kept a fresh engine plain for most of its first request: 103 of 130 steps)
-        machine = _clamped(forward_ms / modeled_forward)
+        # (it kept a fresh engine plain for most of its first request: 103 of 130 steps). The modeled forward rises
+        # with the machine in pieces (`BoundLines`): one Newton step from the current estimate, none where it does
+        # not rise (a forward that waits on arithmetic tells nothing of the memory)
+        now = self.machine
+        _, at_now = self._modeled(states, now)
+        slope = (self._modeled(states, now + MACHINE_STEP)[1] - at_now) / MACHINE_STEP
+        machine = _clamped(now + (forward_ms - at_now) / slope) if slope > MIN_MACHINE_SLOPE * at_now else now
         self.machine += self.calibration_weight * (machine - self.machine)
-        beyond_machine = _clamped(measured_ms / modeled) / machine
+        beyond_machine = _clamped(measured_ms / self._modeled(states, machine)[0])
         if any(s.drafted for s in states):
             overhead = beyond_machine / self.plain_overhead
             self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
@@ -384,16 +395,24 @@ class AdaptiveGamma:
 
     def _verify_ms(self, state: _SequenceState, num_drafted: int) -> float:
         """The step's verify forward over `num_drafted` draft tokens and the pending one, calibrated."""
-        calibration = self.plain_calibration * (self.speculation_overhead if num_drafted else 1.0)
-        return self.costs.verify_ms(num_drafted + 1, state.context, state.batch_size) * calibration
+        overhead = self.plain_overhead * (self.speculation_overhead if num_drafted else 1.0)
+        return self.costs.verify_ms(num_drafted + 1, state.context, state.batch_size, self.machine) * overhead
 
     def _model_step(self, state: _SequenceState, drafted: int, verified: int | None = None) -> None:
         """This sequence's share of the step by the cost curves: drafting `drafted` (catch-up included), then
         verifying `verified` of them in the target's forward."""
-        verified = drafted if verified is None else verified
-        costs, context, batch = self.costs, state.context, state.batch_size
-        state.modeled_forward_ms = costs.verify_ms(verified + 1, context, batch)
-        state.modeled_ms = costs.draft_ms(drafted, context, state.unseen, batch) + state.modeled_forward_ms
+        state.modeled_step = (drafted, drafted if verified is None else verified, state.unseen)
+        state.modeled_ms, state.modeled_forward_ms = self._modeled([state], 1.0)
+
+    def _modeled(self, states: Seq[_SequenceState], machine: float) -> tuple[float, float]:
+        """The modeled steps of `states` on a machine running at `machine` (ms): the whole, and the target's forward."""
+        total = forward = 0.0
+        for state in states:
+            drafted, verified, unseen = state.modeled_step
+            share = self.costs.verify_ms(verified + 1, state.context, state.batch_size, machine)
+            forward += share
+            total += share + self.costs.draft_ms(drafted, state.context, unseen, state.batch_size, machine)
+        return total, forward
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)

@@ -6,6 +6,12 @@ seconds) and cached under `$SPECDEC_CACHE/cost/<machine>/`, where the adaptive c
 A target's and its draft model's curves are measured together: the controller weighs one against the
 other, and this machine's memory runs at ~35 or ~60 GB/s for minutes at a time, so two curves measured
 apart can put the draft at 0.48 of a target forward instead of ~0.26 (it then never speculated).
+
+The same drift moves a curve's points unevenly: slower memory lengthens the weight stream, which a forward over a
+few tokens waits on, not the arithmetic of one over many. So a curve is priced on a machine running `machine` times
+its one-token forward as measured by a two-line model (`BoundLines`), not by scaling every point; and each timed
+forward is followed by a one-token forward, which says how fast the machine ran for it, so that the rounds of a
+measurement that the memory split are brought to one machine state before their median is taken.
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ DEFAULT_KS = (1, 2, 3, 4, 6, 8, 12, 16, 32, 64, 256)
 # 0.5B's output layer is ~28% of its multiply-adds per row, so its int4 catch-up on a 534-token prompt, priced from
 # the every-row curve, came to 1090 ms against 711–817 measured (724 from these points)
 PREFILL_KS = (64, 256)
-CURVE_VERSION = 49  # in the cache file's name: curves measured over other ks or with older kernels are measured again
+CURVE_VERSION = 50  # in the cache file's name: curves measured over other ks or with older kernels are measured again
 DEFAULT_CONTEXTS = (128, 1024)
 
 
@@ -43,19 +49,27 @@ DEFAULT_CONTEXTS = (128, 1024)
 class CostCurve:
     """Median ms per forward: `ms[context][k]` (keys as measured, logits at every row), with (min, max) spreads and,
     where kept, every round's time (`samples[context][k][round]`); `session` names the measurement, shared by curves
-    measured together; `prefill[context][k]`: the median with logits at the last row only, where measured."""
+    measured together; `prefill[context][k]`: the median with logits at the last row only, where measured;
+    `one_token[context][k][round]`: a one-token forward timed right after each sample, where measured.
+
+    Prices come from the medians, monotone, and where `one_token` was measured from the medians of the samples each
+    brought to the fastest machine state of the measurement (`steady_medians`)."""
 
     ms: dict[int, dict[int, float]]
     spread: dict[int, dict[int, tuple[float, float]]]
     samples: dict[int, dict[int, list[float]]] = field(default_factory=dict)
     session: str = ""
     prefill: dict[int, dict[int, float]] = field(default_factory=dict)
-    _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # `ms`, made monotone
+    one_token: dict[int, dict[int, list[float]]] = field(default_factory=dict)
+    _rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)  # steady medians, monotone
     _prefill_rising: dict[int, dict[int, float]] = field(init=False, repr=False, compare=False)
+    _lines: dict[int, "BoundLines"] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        rising = {c: monotone(row) for c, row in self.ms.items()}
+        rising = {c: monotone(steady_medians(row, self.samples.get(c, {}), self.one_token.get(c, {})))
+                  for c, row in self.ms.items()}
         object.__setattr__(self, "_rising", rising)
+        object.__setattr__(self, "_lines", {c: BoundLines.fit(row) for c, row in rising.items()})
         # at k = 1 the one logit is every row's (the sweep's smallest k stands in where 1 was not measured)
         object.__setattr__(self, "_prefill_rising", {c: monotone({1: rising[c][min(rising[c])], **row})
                                                      for c, row in self.prefill.items() if c in rising})
@@ -64,19 +78,24 @@ class CostCurve:
     def contexts(self) -> list[int]:
         return sorted(self.ms)
 
-    def forward_ms(self, k: int, context: int) -> float:
+    def forward_ms(self, k: int, context: int, machine: float = 1.0) -> float:
         """Interpolated linearly in k and in context (clamped to the measured contexts). A forward over more
-        tokens never costs less: each measured point is lowered to the smallest one at a larger k (`monotone`)."""
-        return self._across_contexts(context, lambda c: _interpolate(self._rising[c], _checked(k)))
+        tokens never costs less: each measured point is lowered to the smallest one at a larger k (`monotone`).
+        `machine`: a one-token forward now takes `machine` times its measured time; the point moves as its
+        `BoundLines` say."""
+        _checked(k)
+        return self._across_contexts(context, lambda c: _interpolate(self._rising[c], k) * self._lines[c].drift(k, machine))
 
-    def prefill_ms(self, k: int, context: int) -> float:
+    def prefill_ms(self, k: int, context: int, machine: float = 1.0) -> float:
         """A forward over k new tokens with logits at the last one only (a draft model catching up on a prompt or on
         skipped tokens): the measured one-logit points and k = 1, interpolated as `forward_ms`, never above it;
         `forward_ms` at a context measured without them."""
 
         def at(c: int) -> float:
             every_row = _interpolate(self._rising[c], _checked(k))
-            return min(every_row, _interpolate(self._prefill_rising[c], k)) if c in self._prefill_rising else every_row
+            if c in self._prefill_rising:
+                every_row = min(every_row, _interpolate(self._prefill_rising[c], k))
+            return every_row * self._lines[c].drift(k, machine)
 
         return self._across_contexts(context, at)
 
@@ -97,7 +116,7 @@ class CostCurve:
 
     def to_json(self) -> dict:
         return {"ms": self.ms, "spread": self.spread, "samples": self.samples, "session": self.session,
-                "prefill": self.prefill}
+                "prefill": self.prefill, "one_token": self.one_token}
 
     @classmethod
     def from_json(cls, data: dict) -> "CostCurve":
@@ -107,7 +126,75 @@ class CostCurve:
             samples={int(c): {int(k): list(v) for k, v in row.items()} for c, row in data.get("samples", {}).items()},
             session=data.get("session", ""),
             prefill={int(c): {int(k): float(v) for k, v in row.items()} for c, row in data.get("prefill", {}).items()},
+            one_token={int(c): {int(k): list(v) for k, v in row.items()} for c, row in data.get("one_token", {}).items()},
         )
+
+
+STREAM_MARGIN = 1.3  # a point this far above `BoundLines`' compute line is taken to wait on the stream
+
+
+@dataclass(frozen=True)
+class BoundLines:
+    """A curve's two bounds at one context, fitted to its points: a forward over k tokens waits on the weight stream,
+    `stream(k) = first + per_token · (k − 1)` (the one-token forward and what each more token adds while the stream
+    hides most of the arithmetic), or on the arithmetic, `compute(k) = compute_per_token · k` (the cheapest ms per
+    token of the points at k ≥ 32, where every machine state here computes). On a machine whose one-token forward
+    takes `machine` × `first`, memory is what changed: the stream bound moves by (machine − 1) · `first`, the compute
+    bound stays, and a point moves as the larger of the two.
+    Measured on the 1.5B (the cost-curve bench's forwards, each with its read bandwidth probed beside it, split at
+    45 GB/s, context 128): priced from the points measured in the other phase, k = 2–32, this is off by 5.2% on
+    average, scaling every point by the one-token ratio by 23% (int8 k = 12, fast to slow memory: 61 ms measured, 66
+    against 94; float32 k = 12, 185 ms: 200 against 294)."""
+
+    first: float
+    per_token: float
+    compute_per_token: float
+
+    @classmethod
+    def fit(cls, row: dict[int, float], first: float | None = None) -> "BoundLines":
+        """`first`: the one-token forward's time, where known better than the row's first point."""
+        ks = sorted(row)
+        first = row[ks[0]] if first is None else first  # the smallest k stands in for k = 1
+        large = [k for k in ks if k >= 32] or ks[-1:]
+        compute_per_token = min(row[k] / k for k in large)
+        # the points well above the compute line wait on the stream: its slope through the first point, least squares
+        streaming = [k for k in ks[1:] if row[k] > STREAM_MARGIN * compute_per_token * k]
+        slope = sum((row[k] - first) * (k - 1) for k in streaming) / sum((k - 1) ** 2 for k in streaming) if streaming else 0.0
+        return cls(first, max(0.0, slope), compute_per_token)
+
+    def drift(self, k: int, machine: float) -> float:
+        """A forward over k tokens now ÷ as measured."""
+        if machine == 1.0:
+            return 1.0
+        stream, compute = self.first + self.per_token * (k - 1), self.compute_per_token * k
+        return max(stream + (machine - 1.0) * self.first, compute) / max(stream, compute)
+
+
+def steady_medians(
+    medians: dict[int, float], samples: dict[int, list[float]], one_token: dict[int, list[float]]
+) -> dict[int, float]:
+    """Each k's median over its samples, each sample first brought to the fastest machine state of the measurement
+    (the 10th percentile of its one-token forwards, so that one stray fast forward does not set it): a sample whose
+    one-token forward took `machine` × that ran on a machine `machine` times slower, and is divided by the drift its
+    point has there (`BoundLines`). The medians as they are where a point lacks one-token forwards.
+    Measured: this machine's memory switched within one measurement of the int8 1.5B (one-token forwards of 32–35 ms
+    in three rounds, 54–60 ms in two), and the plain medians mixed the phases across k (context 1024: k = 1 35.4 ms,
+    fast; k = 8 66.3, slow). The default pair measured three times a minute apart (int8 1.5B, int4 0.5B): by the plain
+    medians the target's k = 1 took 31.0, 51.2 and 30.8 ms at context 128 and 33.6, 51.9 and 53.0 at 1024, the draft's
+    k = 1 ÷ the target's varied by 25% and 12% between runs, each v(k) = t(k) ÷ t(1), k = 2–16, by 26% on average (at
+    most 64%); steady, 30.3, 30.5, 30.0 and 30.5, 29.6, 33.6 ms, 1.3% and 1.2%, 10% (at most 21%). Brought to the
+    median state instead, the draft's ratio varied by 36% and 30%."""
+    beside_all = sorted(t for k in medians for t in one_token.get(k, []))
+    if not beside_all:
+        return medians
+    reference, steady = beside_all[(len(beside_all) - 1) // 10], dict(medians)
+    for _ in range(4):  # the bounds fitted to the mixed medians, then again to the steadier ones
+        lines = BoundLines.fit(monotone(steady), first=reference)
+        for k, times in samples.items():
+            beside = one_token.get(k, [])
+            if times and len(beside) == len(times):
+                steady[k] = statistics.median(t / lines.drift(k, one / reference) for t, one in zip(times, beside))
+    return steady
 
 
 def _checked(k: int) -> int:
@@ -152,7 +239,8 @@ def measure_cost_curves(
     prefill_ks: tuple[int, ...] = PREFILL_KS,
 ) -> list[CostCurve]:
     """Each model's curve: forwards over k new tokens (logits at every row, as verification needs) after a cached
-    context, timed; at `prefill_ks` also with logits at the last row only (`CostCurve.prefill`). Each round sweeps
+    context, timed, each followed by a timed one-token forward (`CostCurve.one_token`); at `prefill_ks` also with
+    logits at the last row only (`CostCurve.prefill`). Each round sweeps
     every (context, k) in turn, each point over every model in turn, so that machine noise (memory bandwidth here
     drifts by tens of percent over minutes) spreads over the whole curve, not one point, and over the models alike,
     whose ratio the adaptive controller weighs.
@@ -170,6 +258,7 @@ def measure_cost_curves(
                 chunk = prompt[start : start + 512]
                 model.forward(ForwardBatch.build([SequenceInput(slot, chunk, num_logits=1)], [start]), cache)
     times = [{c: {k: [] for k in ks} for c in contexts} for _ in models]
+    one_token = [{c: {k: [] for k in ks} for c in contexts} for _ in models]
     prefill_times = [{c: {k: [] for k in prefill_ks} for c in contexts} for _ in models]
 
     def timed(model: Decoder, cache: KVCache, slot: int, context: int, k: int, num_logits: int) -> float:
@@ -184,12 +273,14 @@ def measure_cost_curves(
     for round_ in range(repeats + 1):  # round 0 warms up each shape
         for context in contexts:
             for k in ks:
-                for model, cache, model_slots, model_times in zip(models, caches, slots, times):
+                for model, cache, model_slots, model_times, model_one in zip(models, caches, slots, times, one_token):
                     elapsed = timed(model, cache, model_slots[context], context, k, k)
+                    if round_ and after_forward is not None:
+                        after_forward(context, k)
+                    beside = timed(model, cache, model_slots[context], context, 1, 1)  # how fast the machine ran
                     if round_:
                         model_times[context][k].append(elapsed)
-                        if after_forward is not None:
-                            after_forward(context, k)
+                        model_one[context][k].append(beside)
             for k in prefill_ks:
                 for model, cache, model_slots, model_times in zip(models, caches, slots, prefill_times):
                     elapsed = timed(model, cache, model_slots[context], context, k, 1)
@@ -205,8 +296,9 @@ def measure_cost_curves(
             model_times,
             session,
             {c: {k: statistics.median(t) for k, t in row.items()} for c, row in model_prefill.items()},
+            model_one,
         )
-        for model_times, model_prefill in zip(times, prefill_times)
+        for model_times, model_prefill, model_one in zip(times, prefill_times, one_token)
     ]
 
 
