@@ -37,15 +37,18 @@ def sequence(length: int = 100, max_tokens: int = 100_000) -> Sequence:
     return Sequence("r", 0, [1] * length, SamplingParams(max_tokens=max_tokens), torch.Generator())
 
 
-def run(controller, accept, steps: int, gamma_max: int = 8, seed: int = 0, seq: Sequence | None = None) -> list[int]:
-    """Drive the controller as the engine does: choose, draft γ (all offered), trim, verify with
-    position i accepted with probability accept(i) given the ones before; returns the γ verified per step."""
+def run(controller, accept, steps: int, gamma_max: int = 8, seed: int = 0, seq: Sequence | None = None,
+        timed=None) -> list[int]:
+    """Drive the controller as the engine does: choose, draft γ (all offered), trim, (`timed(seq, γ)`: time the step,)
+    verify with position i accepted with probability accept(i) given the ones before; returns the γ verified per step."""
     rng = random.Random(seed)
     own = seq is None
     seq = seq or sequence()
     chosen = []
     for _ in range(steps):
         gamma = controller.trim(seq, controller.choose(seq, gamma_max))
+        if timed is not None:
+            timed(seq, gamma)
         accepted = 0
         while accepted < gamma and rng.random() < accept(accepted):
             accepted += 1
@@ -227,19 +230,15 @@ def test_the_machine_is_read_through_the_curves_bounds():
     slow = curve(lambda k: max(48.0 + (k - 1), 5.0 * k))
     costs = StepCosts(fast, curve(lambda k: 4.0 + 0.1 * k))
     controller = AdaptiveGamma(costs, probe_budget=0.0)
-    seq = sequence()
-    rng = random.Random(0)
-    for _ in range(120):
-        gamma = controller.trim(seq, controller.choose(seq, 8))
-        state = controller._state(seq)
+
+    def on_the_slow_machine(seq: Sequence, gamma: int) -> None:
         truth = slow.forward_ms(gamma + 1, seq.num_tokens)
-        draft_truth = costs.draft_ms(gamma, seq.num_tokens, state.modeled_step[2], machine=1.6)  # slowed alike
-        controller.step_timed([seq], truth + draft_truth, truth)
-        accepted = 0
-        while accepted < gamma and rng.random() < 0.8:
-            accepted += 1
-        controller.observe(seq, gamma, accepted)
-        seq.output_token_ids.extend([1] * (accepted + 1))
+        unseen = controller._state(seq).modeled_step[2]
+        controller.step_timed([seq], truth + costs.draft_ms(gamma, seq.num_tokens, unseen, machine=1.6), truth)
+
+    seq = sequence()
+    run(controller, lambda i: 0.8, 120, seq=seq, timed=on_the_slow_machine)
+    state = controller._state(seq)
     assert controller.machine == pytest.approx(1.6, rel=0.02)
     assert controller.plain_overhead == pytest.approx(1.0, rel=0.02)
     assert controller.speculation_overhead == pytest.approx(1.0, rel=0.02)
