@@ -254,6 +254,26 @@ def test_the_machine_is_read_through_the_curves_bounds():
     assert controller.machine == machine
 
 
+def test_a_forward_that_waits_on_arithmetic_does_not_move_the_machine_factor():
+    """Four sequences verifying 5 tokens each: a forward over 20 tokens of 4 caches, which waits on the arithmetic as
+    measured, took 1.3× the curve's 20-token forward. With the factor at 2.2 (a slow stretch before), the modeled
+    forward would rise with it, yet its excess is the batch's, not the memory's (measured: such steps drove the factor to
+    2.1–2.6 in fast memory, pricing plain steps double). The factor stays; the excess goes to speculation's overhead."""
+    target = curve(lambda k: max(30.0 + (k - 1), 4.0 * k))
+    controller = AdaptiveGamma(StepCosts(target), probe_budget=0.0)
+    controller.machine = 2.2
+    seqs = [sequence() for _ in range(4)]
+    for _ in range(60):
+        for seq in seqs:
+            controller.choose(seq, 4, batch_size=4)
+            state = controller._state(seq)
+            state.drafted, state.modeled_step = 4, (4, 4, 1)
+            state.modeled_ms = state.modeled_forward_ms = target.forward_ms(20, seq.num_tokens) / 4
+        controller.step_timed(seqs, 1.3 * target.forward_ms(20, 100), 1.3 * target.forward_ms(20, 100))
+    assert controller.machine == 2.2
+    assert controller.speculation_overhead > 1.15
+
+
 def test_a_lookup_that_finds_nothing_is_timed_as_a_plain_step():
     """An n-gram or suffix lookup asked for γ tokens that finds no match runs a plain step: its time calibrates
     plain steps, not speculation (which a plain step's time against a γ + 1 token verify would make look cheap)."""

@@ -214,7 +214,7 @@ def beta_weights(a: float, b: float, grid: Seq[float] = ALPHA_GRID) -> list[floa
 
 
 MACHINE_STEP = 0.01  # of the machine factor, to take the modeled forward's slope in it
-MIN_MACHINE_SLOPE = 0.05  # below this share of the forward per unit of the factor, the forward tells nothing of it
+MIN_STREAM_SHARE = 0.5  # of a forward's modeled time that must move with the memory for it to tell the machine factor
 
 
 def _clamped(ratio: float) -> float:
@@ -379,12 +379,16 @@ class AdaptiveGamma:
         # the machine's speed from this step's own forward: a machine running slow slows plain and speculative
         # steps alike, and a slow stretch while the controller speculates must not read as speculation's cost
         # (it kept a fresh engine plain for most of its first request: 103 of 130 steps). The modeled forward rises
-        # with the machine in pieces (`BoundLines`): one Newton step from the current estimate, none where it does
-        # not rise (a forward that waits on arithmetic tells nothing of the memory)
+        # with the machine in pieces (`BoundLines`): one Newton step from the current estimate, taken only from a
+        # forward that waits mostly on the weight stream as measured. One that waits on arithmetic tells nothing of the
+        # memory, and what it takes beyond its curve (a batch's forward over 4 × 5 tokens of 4 sequences, not one)
+        # read as memory drove the factor to 2.1–2.6 in fast memory, pricing plain steps double
         now = self.machine
         _, at_now = self._modeled(states, now)
+        _, as_measured = self._modeled(states, 1.0)
+        streaming = self._modeled(states, 1.0 + MACHINE_STEP)[1] - as_measured > MIN_STREAM_SHARE * MACHINE_STEP * as_measured
         slope = (self._modeled(states, now + MACHINE_STEP)[1] - at_now) / MACHINE_STEP
-        machine = _clamped(now + (forward_ms - at_now) / slope) if slope > MIN_MACHINE_SLOPE * at_now else now
+        machine = _clamped(now + (forward_ms - at_now) / slope) if streaming and slope > 0 else now
         self.machine += self.calibration_weight * (machine - self.machine)
         beyond_machine = _clamped(measured_ms / self._modeled(states, machine)[0])
         if any(s.drafted for s in states):
