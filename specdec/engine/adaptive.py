@@ -385,8 +385,9 @@ class AdaptiveGamma:
         # read as memory drove the factor to 2.1–2.6 in fast memory, pricing plain steps double
         now = self.machine
         _, at_now = self._modeled(states, now)
-        _, as_measured = self._modeled(states, 1.0)
-        streaming = self._modeled(states, 1.0 + MACHINE_STEP)[1] - as_measured > MIN_STREAM_SHARE * MACHINE_STEP * as_measured
+        as_measured = sum(s.modeled_forward_ms for s in states)
+        moves = self._modeled(states, 1.0 + MACHINE_STEP)[1] - as_measured
+        streaming = moves > MIN_STREAM_SHARE * MACHINE_STEP * as_measured
         slope = (self._modeled(states, now + MACHINE_STEP)[1] - at_now) / MACHINE_STEP
         machine = _clamped(now + (forward_ms - at_now) / slope) if streaming and slope > 0 else now
         self.machine += self.calibration_weight * (machine - self.machine)

@@ -84,7 +84,8 @@ class CostCurve:
         `machine`: a one-token forward now takes `machine` times its measured time; the point moves as its
         `BoundLines` say."""
         _checked(k)
-        return self._across_contexts(context, lambda c: _interpolate(self._rising[c], k) * self._lines[c].drift(k, machine))
+        return self._across_contexts(
+            context, lambda c: _interpolate(self._rising[c], k) * self._lines[c].drift(k, machine))
 
     def prefill_ms(self, k: int, context: int, machine: float = 1.0) -> float:
         """A forward over k new tokens with logits at the last one only (a draft model catching up on a prompt or on
@@ -139,8 +140,8 @@ class BoundLines:
     `stream(k) = first + per_token · (k − 1)` (the one-token forward and what each more token adds while the stream
     hides most of the arithmetic), or on the arithmetic, `compute(k) = compute_per_token · k` (the cheapest ms per
     token of the points at k ≥ 32, where every machine state here computes). On a machine whose one-token forward
-    takes `machine` × `first`, memory is what changed: the stream bound moves by (machine − 1) · `first`, the compute
-    bound stays, and a point moves as the larger of the two.
+    takes `machine` × `first`, memory is what changed: the stream bound moves by (machine − 1) · `first`, the
+    compute bound stays, and a point moves as the larger of the two.
     Measured on the 1.5B (the cost-curve bench's forwards, each with its read bandwidth probed beside it, split at
     45 GB/s, context 128): priced from the points measured in the other phase, k = 2–32, this is off by 5.2% on
     average, scaling every point by the one-token ratio by 23% (int8 k = 12, fast to slow memory: 61 ms measured, 66
@@ -159,7 +160,9 @@ class BoundLines:
         compute_per_token = min(row[k] / k for k in large)
         # the points well above the compute line wait on the stream: its slope through the first point, least squares
         streaming = [k for k in ks[1:] if row[k] > STREAM_MARGIN * compute_per_token * k]
-        slope = sum((row[k] - first) * (k - 1) for k in streaming) / sum((k - 1) ** 2 for k in streaming) if streaming else 0.0
+        if not streaming:
+            return cls(first, 0.0, compute_per_token)
+        slope = sum((row[k] - first) * (k - 1) for k in streaming) / sum((k - 1) ** 2 for k in streaming)
         return cls(first, max(0.0, slope), compute_per_token)
 
     def drift(self, k: int, machine: float) -> float:
