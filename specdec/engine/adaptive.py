@@ -384,14 +384,15 @@ class AdaptiveGamma:
         # memory, and what it takes beyond its curve (a batch's forward over 4 × 5 tokens of 4 sequences, not one)
         # read as memory drove the factor to 2.1–2.6 in fast memory, pricing plain steps double
         now = self.machine
-        _, at_now = self._modeled(states, now)
+        at_now = self._modeled_forward(states, now)
         as_measured = sum(s.modeled_forward_ms for s in states)
-        moves = self._modeled(states, 1.0 + MACHINE_STEP)[1] - as_measured
+        moves = self._modeled_forward(states, 1.0 + MACHINE_STEP) - as_measured
         streaming = moves > MIN_STREAM_SHARE * MACHINE_STEP * as_measured
-        slope = (self._modeled(states, now + MACHINE_STEP)[1] - at_now) / MACHINE_STEP
+        slope = (self._modeled_forward(states, now + MACHINE_STEP) - at_now) / MACHINE_STEP
         machine = _clamped(now + (forward_ms - at_now) / slope) if streaming and slope > 0 else now
         self.machine += self.calibration_weight * (machine - self.machine)
-        beyond_machine = _clamped(measured_ms / self._modeled(states, machine)[0])
+        modeled = self._modeled_forward(states, machine) + self._modeled_drafts(states, machine)
+        beyond_machine = _clamped(measured_ms / modeled)
         if any(s.drafted for s in states):
             overhead = beyond_machine / self.plain_overhead
             self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
@@ -407,17 +408,17 @@ class AdaptiveGamma:
         """This sequence's share of the step by the cost curves: drafting `drafted` (catch-up included), then
         verifying `verified` of them in the target's forward."""
         state.modeled_step = (drafted, drafted if verified is None else verified, state.unseen)
-        state.modeled_ms, state.modeled_forward_ms = self._modeled([state], 1.0)
+        state.modeled_forward_ms = self._modeled_forward([state], 1.0)
+        state.modeled_ms = state.modeled_forward_ms + self._modeled_drafts([state], 1.0)
 
-    def _modeled(self, states: Seq[_SequenceState], machine: float) -> tuple[float, float]:
-        """The modeled steps of `states` on a machine running at `machine` (ms): the whole, and the target's forward."""
-        total = forward = 0.0
-        for state in states:
-            drafted, verified, unseen = state.modeled_step
-            share = self.costs.verify_ms(verified + 1, state.context, state.batch_size, machine)
-            forward += share
-            total += share + self.costs.draft_ms(drafted, state.context, unseen, state.batch_size, machine)
-        return total, forward
+    def _modeled_forward(self, states: Seq[_SequenceState], machine: float) -> float:
+        """The target's forward of the modeled steps of `states` on a machine running at `machine` (ms)."""
+        return sum(self.costs.verify_ms(s.modeled_step[1] + 1, s.context, s.batch_size, machine) for s in states)
+
+    def _modeled_drafts(self, states: Seq[_SequenceState], machine: float) -> float:
+        """Their drafting (catch-ups included) on that machine (ms)."""
+        return sum(self.costs.draft_ms(s.modeled_step[0], s.context, s.modeled_step[2], s.batch_size, machine)
+                   for s in states)
 
     def observe(self, seq: Sequence, num_drafted: int, num_accepted: int) -> None:
         state = self._state(seq)
