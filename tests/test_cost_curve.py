@@ -131,7 +131,8 @@ def test_llm_measures_once_then_reads_the_machine_cache(tiny_qwen, monkeypatch):
     assert all(v > 0 for row in first.ms.values() for v in row.values())
     assert sorted(first.prefill) == [16, 32] and all(list(row) == [8] and row[8] > 0 for row in first.prefill.values())
     # a one-token forward timed beside each sample
-    assert {c: {k: len(t) for k, t in row.items()} for c, row in first.one_token.items()} == {c: {1: 1, 2: 1, 4: 1} for c in (16, 32)}
+    beside = {c: {k: len(t) for k, t in row.items()} for c, row in first.one_token.items()}
+    assert beside == {c: {1: 1, 2: 1, 4: 1} for c in (16, 32)}
     assert all(t > 0 for row in first.one_token.values() for times in row.values() for t in times)
     again = LLM(str(tiny_qwen), quantization=None, max_model_len=128).cost_curve()
     assert again == first and len(calls) == 1

@@ -383,16 +383,17 @@ class AdaptiveGamma:
         # forward that waits mostly on the weight stream as measured. One that waits on arithmetic tells nothing of the
         # memory, and what it takes beyond its curve (a batch's forward over 4 × 5 tokens of 4 sequences, not one)
         # read as memory drove the factor to 2.1–2.6 in fast memory, pricing plain steps double
-        now = self.machine
+        now = machine = self.machine
         at_now = self._modeled_forward(states, now)
         as_measured = sum(s.modeled_forward_ms for s in states)
         moves = self._modeled_forward(states, 1.0 + MACHINE_STEP) - as_measured
-        streaming = moves > MIN_STREAM_SHARE * MACHINE_STEP * as_measured
-        slope = (self._modeled_forward(states, now + MACHINE_STEP) - at_now) / MACHINE_STEP
-        machine = _clamped(now + (forward_ms - at_now) / slope) if streaming and slope > 0 else now
+        if moves > MIN_STREAM_SHARE * MACHINE_STEP * as_measured:  # streaming: the forward tells the factor
+            slope = (self._modeled_forward(states, now + MACHINE_STEP) - at_now) / MACHINE_STEP
+            if slope > 0:
+                machine = _clamped(now + (forward_ms - at_now) / slope)
         self.machine += self.calibration_weight * (machine - self.machine)
-        modeled = self._modeled_forward(states, machine) + self._modeled_drafts(states, machine)
-        beyond_machine = _clamped(measured_ms / modeled)
+        forward_at_machine = at_now if machine == now else self._modeled_forward(states, machine)
+        beyond_machine = _clamped(measured_ms / (forward_at_machine + self._modeled_drafts(states, machine)))
         if any(s.drafted for s in states):
             overhead = beyond_machine / self.plain_overhead
             self.speculation_overhead += self.calibration_weight * (overhead - self.speculation_overhead)
